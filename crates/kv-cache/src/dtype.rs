@@ -13,7 +13,6 @@ pub enum CacheDtype {
     Bf16,
 }
 
-
 impl CacheDtype {
     /// Bytes per element.
     pub const fn size(self) -> usize {

@@ -19,8 +19,11 @@ pub mod manager;
 pub mod spec;
 pub mod storage;
 
+pub use block_hash::BlockHash;
+pub use block_pool::{BlockId, BlockPool};
 pub use dtype::CacheDtype;
 pub use error::KvCacheError;
 pub use layout::{BlockLayout, LayerKv, LayoutOrder};
+pub use manager::{CachedPrefix, KvCacheManager, PrefixCacheStats};
 pub use spec::{KvCacheConfig, KvCacheGroup, KvCacheSpec};
 pub use storage::{KvPart, KvStorage, MemoryRegion};

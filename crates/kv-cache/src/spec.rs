@@ -80,8 +80,7 @@ impl KvCacheSpec {
     /// How many trailing blocks of a request a transfer (and its checksum) keeps:
     /// all of them for full attention, `cdiv(window, block_size) + 1` for a sliding window.
     pub fn blocks_to_keep(&self) -> Option<usize> {
-        self.window()
-            .map(|w| w.div_ceil(self.block_size()) + 1)
+        self.window().map(|w| w.div_ceil(self.block_size()) + 1)
     }
 }
 
@@ -111,7 +110,10 @@ impl KvCacheConfig {
     }
     /// The block size shared by all groups (the engine uses one block size).
     pub fn block_size(&self) -> usize {
-        self.groups.first().map(|g| g.spec.block_size()).unwrap_or(16)
+        self.groups
+            .first()
+            .map(|g| g.spec.block_size())
+            .unwrap_or(16)
     }
     /// Layer names in order of their index in the storage.
     pub fn layer_names(&self) -> impl Iterator<Item = &str> {

@@ -26,7 +26,9 @@ struct RawBuf {
 
 impl RawBuf {
     fn zeroed(len: usize) -> Self {
-        let words = (0..len.div_ceil(8)).map(|_| UnsafeCell::new(0u64)).collect();
+        let words = (0..len.div_ceil(8))
+            .map(|_| UnsafeCell::new(0u64))
+            .collect();
         RawBuf { words, len }
     }
     fn ptr(&self) -> *mut u8 {

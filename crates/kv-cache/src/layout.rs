@@ -60,7 +60,7 @@ impl BlockLayout {
                 "block_size, num_kv_heads and head_dim must be non-zero: {self:?}"
             )));
         }
-        if self.kernel_block_size == 0 || self.block_size % self.kernel_block_size != 0 {
+        if self.kernel_block_size == 0 || !self.block_size.is_multiple_of(self.kernel_block_size) {
             return Err(KvCacheError::InvalidConfig(format!(
                 "kernel block size {} does not tile block size {}",
                 self.kernel_block_size, self.block_size

@@ -66,6 +66,9 @@ struct LayerBuffers {
     layout: BlockLayout,
 }
 
+/// One layer's K and V arrays as f32 values.
+pub type F32Layer<'a> = (&'a [f32], &'a [f32]);
+
 /// Every layer's K and V cache of one worker. See the module docs for the sharing invariant.
 pub struct KvStorage {
     layers: Vec<LayerBuffers>,
@@ -149,7 +152,7 @@ impl KvStorage {
     }
 
     /// One layer's K and V as f32 slices, when the cache dtype is f32 (the attention fast path).
-    pub fn layer_f32(&self, layer: usize) -> Result<Option<(&[f32], &[f32])>, KvCacheError> {
+    pub fn layer_f32(&self, layer: usize) -> Result<Option<F32Layer<'_>>, KvCacheError> {
         let l = self.layer_buffers(layer)?;
         if l.layout.dtype != CacheDtype::F32 {
             return Ok(None);

@@ -1,0 +1,202 @@
+//! The KV connector interface, scheduler side and worker side.
+//!
+//! The scheduler side lives with the scheduler (one per engine) and decides, per request, how many
+//! tokens come from a remote instance and whether a finished request's blocks must outlive it
+//! (a producer holds them until the consumer has read them). The worker side lives with each
+//! worker and moves bytes. They talk only through [`ConnectorMetadata`] (scheduler -> workers,
+//! once per step) and [`ConnectorOutput`] (workers -> scheduler, once per step).
+//!
+//! Invariants the engine keeps for every connector:
+//! - `update_state_after_alloc` is called once per request that was matched, after its blocks
+//!   exist and before `build_connector_meta` of the same step.
+//! - A request whose `request_finished` returned `delay_free` keeps its blocks until the connector
+//!   reports it in `ConnectorOutput::finished_sending`.
+//! - A request waiting for a load is scheduled again only after it appears in
+//!   `finished_recving` (or `failed_recving`).
+
+use std::any::Any;
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use serde_json::Value;
+use tandem_kv_cache::{BlockId, KvStorage};
+
+use crate::error::KvConnectorError;
+
+/// What the connector sees of a request.
+#[derive(Debug, Clone, Copy)]
+pub struct ConnectorRequest<'a> {
+    /// The engine's id of the request.
+    pub request_id: u64,
+    /// The id the client and the proxy know (X-Request-Id).
+    pub external_id: &'a str,
+    pub prompt_token_ids: &'a [u32],
+    pub kv_transfer_params: Option<&'a Value>,
+}
+
+/// Tokens a connector can provide beyond the local prefix cache.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MatchedTokens {
+    pub num_external_tokens: usize,
+    /// The tokens arrive asynchronously: the request waits for remote KV.
+    pub load_async: bool,
+}
+
+/// Why a request finished, as far as a connector cares.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishKind {
+    /// Stop or length: the KV is complete and may be sent.
+    Normal,
+    /// Aborted or failed: nothing is sent.
+    Aborted,
+}
+
+/// What to do with a finished request's blocks.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct FinishedAction {
+    /// Keep the blocks until the connector reports the request in `finished_sending`.
+    pub delay_free: bool,
+    /// Returned to the client in the response's `kv_transfer_params`.
+    pub kv_transfer_params: Option<Value>,
+}
+
+/// Connector-specific data sent from the scheduler side to the worker side each step.
+#[derive(Default)]
+pub struct ConnectorMetadata(pub Option<Box<dyn Any + Send>>);
+
+impl std::fmt::Debug for ConnectorMetadata {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "ConnectorMetadata(..)"
+        } else {
+            "ConnectorMetadata(none)"
+        })
+    }
+}
+
+/// Transfer statistics reported by workers, turned into metrics by the engine.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TransferStats {
+    pub bytes: u64,
+    pub descriptors: u64,
+    pub seconds: Vec<f64>,
+    pub failures: u64,
+    pub expired_leases: u64,
+}
+
+/// What workers report to the scheduler side each step.
+#[derive(Debug, Clone, Default)]
+pub struct ConnectorOutput {
+    /// Producer: requests whose blocks were read (or whose lease expired) and may be freed.
+    pub finished_sending: HashSet<u64>,
+    /// Consumer: requests whose load finished (successfully or not).
+    pub finished_recving: HashSet<u64>,
+    /// Consumer: loads that failed, with the reason.
+    pub failed_recving: HashMap<u64, String>,
+    /// Blocks whose content is known to be bad.
+    pub invalid_block_ids: HashSet<BlockId>,
+    pub stats: TransferStats,
+}
+
+impl ConnectorOutput {
+    /// Merges another worker's output into this one (a request counts as finished when any
+    /// worker reports it here; connectors with several workers aggregate before that).
+    pub fn merge(&mut self, other: ConnectorOutput) {
+        self.finished_sending.extend(other.finished_sending);
+        self.finished_recving.extend(other.finished_recving);
+        self.failed_recving.extend(other.failed_recving);
+        self.invalid_block_ids.extend(other.invalid_block_ids);
+        self.stats.bytes += other.stats.bytes;
+        self.stats.descriptors += other.stats.descriptors;
+        self.stats.seconds.extend(other.stats.seconds);
+        self.stats.failures += other.stats.failures;
+        self.stats.expired_leases += other.stats.expired_leases;
+    }
+}
+
+/// The scheduler side of a connector.
+pub trait KvConnectorScheduler: Send {
+    /// Tokens beyond `num_computed_tokens` (the local prefix hit) the connector can provide.
+    /// An error rejects the request (e.g. malformed `kv_transfer_params`).
+    fn get_num_new_matched_tokens(
+        &mut self,
+        request: &ConnectorRequest<'_>,
+        num_computed_tokens: usize,
+    ) -> Result<MatchedTokens, KvConnectorError>;
+
+    /// The request's blocks are allocated; `block_ids` is its whole block table.
+    fn update_state_after_alloc(
+        &mut self,
+        request: &ConnectorRequest<'_>,
+        block_ids: &[BlockId],
+        num_external_tokens: usize,
+    );
+
+    /// The metadata for this step's workers.
+    fn build_connector_meta(&mut self) -> ConnectorMetadata;
+
+    /// Workers' report for the step.
+    fn update_connector_output(&mut self, _output: &ConnectorOutput) {}
+
+    /// A request finished; decide whether its blocks outlive it.
+    fn request_finished(
+        &mut self,
+        request: &ConnectorRequest<'_>,
+        block_ids: &[BlockId],
+        finish: FinishKind,
+    ) -> FinishedAction;
+}
+
+/// The worker side of a connector.
+pub trait KvConnectorWorker: Send {
+    /// Called once with the worker's KV storage before the first step.
+    fn register_kv_caches(&mut self, storage: Arc<KvStorage>) -> Result<(), KvConnectorError>;
+    /// Starts the loads (and saves) described by this step's metadata.
+    fn start_load_kv(&mut self, metadata: &ConnectorMetadata) -> Result<(), KvConnectorError>;
+    /// Transfers that finished since the last call.
+    fn get_finished(&mut self) -> ConnectorOutput;
+}
+
+/// The connector of a single instance: nothing comes from elsewhere, nothing outlives a request.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct NoopConnector;
+
+impl KvConnectorScheduler for NoopConnector {
+    fn get_num_new_matched_tokens(
+        &mut self,
+        _request: &ConnectorRequest<'_>,
+        _num_computed_tokens: usize,
+    ) -> Result<MatchedTokens, KvConnectorError> {
+        Ok(MatchedTokens::default())
+    }
+    fn update_state_after_alloc(
+        &mut self,
+        _request: &ConnectorRequest<'_>,
+        _block_ids: &[BlockId],
+        _num_external_tokens: usize,
+    ) {
+    }
+    fn build_connector_meta(&mut self) -> ConnectorMetadata {
+        ConnectorMetadata(None)
+    }
+    fn request_finished(
+        &mut self,
+        _request: &ConnectorRequest<'_>,
+        _block_ids: &[BlockId],
+        _finish: FinishKind,
+    ) -> FinishedAction {
+        FinishedAction::default()
+    }
+}
+
+impl KvConnectorWorker for NoopConnector {
+    fn register_kv_caches(&mut self, _storage: Arc<KvStorage>) -> Result<(), KvConnectorError> {
+        Ok(())
+    }
+    fn start_load_kv(&mut self, _metadata: &ConnectorMetadata) -> Result<(), KvConnectorError> {
+        Ok(())
+    }
+    fn get_finished(&mut self) -> ConnectorOutput {
+        ConnectorOutput::default()
+    }
+}

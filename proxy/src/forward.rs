@@ -1,0 +1,506 @@
+//! The P/D flow of one request, from the client's body to the decode instance's streamed answer.
+//!
+//! 1. Parse the body (a JSON object, else 400) and drop the client's `kv_transfer_params`.
+//! 2. Prefill: lease the least-loaded healthy prefill instance, POST the one-token copy
+//!    (`request::prefill_body`) within `prefill_timeout`, read its `kv_transfer_params`.
+//! 3. Decode: lease a decode instance, POST the client's body plus those params, and answer the
+//!    client with the decode instance's status, content type and body, relayed chunk by chunk.
+//!
+//! Invariants: one `X-Request-Id` (the client's, else a new UUID) goes on both upstream calls and
+//! on the answer. A failed *connect* (nothing sent) marks the instance unhealthy and is retried
+//! once on another instance of the role; nothing else is retried. The decode lease lives inside
+//! the relayed body, so a client that goes away drops the body, the lease and the upstream
+//! response (reqwest then closes that connection, which aborts the generation upstream); every
+//! request is counted once in `REQUESTS_TOTAL`, errors here and streams when their body ends.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::{Body, Bytes};
+use axum::extract::rejection::BytesRejection;
+use axum::extract::State;
+use axum::http::{header, HeaderMap, HeaderName, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use futures::{Stream, StreamExt};
+use serde_json::{Map, Value};
+use tracing::Instrument;
+
+use crate::error::{is_openai_error, ProxyError};
+use crate::pool::{Instance, Lease, Role};
+use crate::request::{
+    decode_body, kv_transfer_params, parse_client_body, prefill_body, ClientBody, KvParamsError,
+};
+use crate::state::ProxyState;
+use crate::telemetry;
+
+/// The header that names a request across the proxy and both instances.
+pub const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+
+/// Longest client `X-Request-Id` taken as is; a longer or non-printable one is replaced.
+const MAX_REQUEST_ID_LEN: usize = 256;
+/// Most bytes read from an upstream's error body.
+const MAX_ERROR_BODY_BYTES: usize = 1 << 20;
+/// Response headers of the decode instance relayed to the client.
+const RELAYED_HEADERS: [HeaderName; 2] = [header::CONTENT_TYPE, header::CACHE_CONTROL];
+
+/// The OpenAI routes the proxy serves.
+#[derive(Debug, Clone, Copy)]
+enum Route {
+    Completions,
+    ChatCompletions,
+    Models,
+}
+
+impl Route {
+    fn path(self) -> &'static str {
+        match self {
+            Route::Completions => "/v1/completions",
+            Route::ChatCompletions => "/v1/chat/completions",
+            Route::Models => "/v1/models",
+        }
+    }
+
+    fn label(self) -> &'static str {
+        match self {
+            Route::Completions => "completions",
+            Route::ChatCompletions => "chat_completions",
+            Route::Models => "models",
+        }
+    }
+}
+
+/// What one client request carries into its upstream calls.
+struct Ctx {
+    state: ProxyState,
+    route: Route,
+    request_id: String,
+    authorization: Option<HeaderValue>,
+    started: Instant,
+}
+
+/// `POST /v1/completions`.
+pub(crate) async fn completions(
+    State(state): State<ProxyState>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    handle(state, Route::Completions, headers, Some(body)).await
+}
+
+/// `POST /v1/chat/completions`.
+pub(crate) async fn chat_completions(
+    State(state): State<ProxyState>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    handle(state, Route::ChatCompletions, headers, Some(body)).await
+}
+
+/// `GET /v1/models`, answered by a decode instance.
+pub(crate) async fn models(State(state): State<ProxyState>, headers: HeaderMap) -> Response {
+    handle(state, Route::Models, headers, None).await
+}
+
+async fn handle(
+    state: ProxyState,
+    route: Route,
+    headers: HeaderMap,
+    body: Option<Result<Bytes, BytesRejection>>,
+) -> Response {
+    let ctx = Ctx {
+        state,
+        route,
+        request_id: request_id(&headers),
+        authorization: headers.get(header::AUTHORIZATION).cloned(),
+        started: Instant::now(),
+    };
+    let span = tracing::debug_span!("proxy", request_id = %ctx.request_id, route = route.label());
+    let result = async {
+        match body {
+            Some(body) => pd_request(&ctx, body).await,
+            None => models_request(&ctx).await,
+        }
+    }
+    .instrument(span)
+    .await;
+    let mut response = result.unwrap_or_else(|error| {
+        telemetry::request_finished(route.label(), error.code());
+        error.into_response()
+    });
+    if let Ok(value) = HeaderValue::from_str(&ctx.request_id) {
+        response.headers_mut().insert(X_REQUEST_ID, value);
+    }
+    response
+}
+
+/// The client's `X-Request-Id` if it is short and printable, else a new UUID.
+fn request_id(headers: &HeaderMap) -> String {
+    headers
+        .get(&X_REQUEST_ID)
+        .and_then(|v| v.to_str().ok())
+        .filter(|id| {
+            !id.is_empty()
+                && id.len() <= MAX_REQUEST_ID_LEN
+                && id.bytes().all(|b| b.is_ascii_graphic())
+        })
+        .map(str::to_owned)
+        .unwrap_or_else(|| uuid::Uuid::new_v4().to_string())
+}
+
+async fn pd_request(
+    ctx: &Ctx,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ProxyError> {
+    let bytes = body.map_err(|rejection| {
+        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ProxyError::BodyTooLarge {
+                limit: ctx.state.settings().max_body_bytes,
+            }
+        } else {
+            ProxyError::InvalidBody {
+                message: rejection.body_text(),
+            }
+        }
+    })?;
+    let client_body = parse_client_body(&bytes)?;
+
+    let prefill = prefill_body(&client_body);
+    let kv = with_connect_retry(&ctx.state, Role::Prefill, |lease| {
+        prefill_once(ctx, lease, &prefill)
+    })
+    .await?;
+    telemetry::prefill_took(ctx.started.elapsed().as_secs_f64());
+
+    let decode = decode_body(client_body, kv);
+    with_connect_retry(&ctx.state, Role::Decode, |lease| {
+        decode_once(ctx, lease, &decode)
+    })
+    .await
+}
+
+/// Runs `attempt` on a leased instance of `role`; if it could not connect, takes that instance
+/// out of rotation and runs `attempt` once more on another one (if there is one).
+async fn with_connect_retry<T, F, Fut>(
+    state: &ProxyState,
+    role: Role,
+    mut attempt: F,
+) -> Result<T, ProxyError>
+where
+    F: FnMut(Lease) -> Fut,
+    Fut: Future<Output = Result<T, ProxyError>>,
+{
+    let pool = state.pool(role);
+    let lease = pool.acquire(None)?;
+    let first = lease.instance().clone();
+    let result = observe(role, &first, attempt(lease).await);
+    let Err(error @ ProxyError::UpstreamConnect { .. }) = result else {
+        return result;
+    };
+    let Ok(lease) = pool.acquire(Some(&first)) else {
+        return Err(error);
+    };
+    tracing::info!(%role, failed = first.url(), next = lease.instance().url(), "retrying on another instance");
+    telemetry::upstream_retried(role.as_str());
+    let second = lease.instance().clone();
+    observe(role, &second, attempt(lease).await)
+}
+
+/// Records how an upstream call ended; a failed connect takes the instance out of rotation.
+fn observe<T>(
+    role: Role,
+    instance: &Instance,
+    result: Result<T, ProxyError>,
+) -> Result<T, ProxyError> {
+    match &result {
+        Ok(_) => telemetry::upstream_finished(role.as_str(), telemetry::OUTCOME_OK),
+        Err(error) => {
+            if matches!(error, ProxyError::UpstreamConnect { .. }) {
+                instance.set_healthy(false);
+            }
+            tracing::debug!(%role, url = instance.url(), %error, "upstream call failed");
+            telemetry::upstream_finished(role.as_str(), error.code());
+        }
+    }
+    result
+}
+
+/// A POST of `body` to `path` on the leased instance, with the request's id and credentials.
+fn post(ctx: &Ctx, instance: &Instance, body: &ClientBody) -> reqwest::RequestBuilder {
+    let url = format!("{}{}", instance.url(), ctx.route.path());
+    let builder = ctx
+        .state
+        .client()
+        .post(url)
+        .header(X_REQUEST_ID, ctx.request_id.as_str())
+        .json(body);
+    match &ctx.authorization {
+        Some(auth) => builder.header(header::AUTHORIZATION, auth.clone()),
+        None => builder,
+    }
+}
+
+fn transport_error(instance: &Instance, source: reqwest::Error) -> ProxyError {
+    let (role, url) = (instance.role(), instance.url().to_owned());
+    if source.is_connect() {
+        ProxyError::UpstreamConnect { role, url, source }
+    } else {
+        ProxyError::UpstreamTransport { role, url, source }
+    }
+}
+
+fn timeout_error(instance: &Instance, after: Duration) -> ProxyError {
+    ProxyError::UpstreamTimeout {
+        role: instance.role(),
+        url: instance.url().to_owned(),
+        after,
+    }
+}
+
+/// An upstream's non-2xx answer: its own OpenAI error (4xx/5xx) is passed through, anything else is 502.
+fn error_status(instance: &Instance, status: StatusCode, body: Bytes) -> ProxyError {
+    let (role, url) = (instance.role(), instance.url().to_owned());
+    if (status.is_client_error() || status.is_server_error()) && is_openai_error(&body) {
+        ProxyError::UpstreamErrorResponse {
+            role,
+            url,
+            status,
+            body,
+        }
+    } else {
+        ProxyError::UpstreamStatus { role, url, status }
+    }
+}
+
+/// Reads at most `MAX_ERROR_BODY_BYTES` of an upstream's body.
+async fn read_capped(mut response: reqwest::Response) -> Result<Bytes, reqwest::Error> {
+    let mut body = Vec::new();
+    while let Some(chunk) = response.chunk().await? {
+        let room = MAX_ERROR_BODY_BYTES - body.len();
+        body.extend_from_slice(&chunk[..chunk.len().min(room)]);
+        if body.len() == MAX_ERROR_BODY_BYTES {
+            break;
+        }
+    }
+    Ok(body.into())
+}
+
+/// One prefill call: the whole exchange within `prefill_timeout`; returns the producer's params.
+async fn prefill_once(
+    ctx: &Ctx,
+    lease: Lease,
+    body: &ClientBody,
+) -> Result<Map<String, Value>, ProxyError> {
+    let instance = lease.instance().clone();
+    let limit = ctx.state.settings().prefill_timeout;
+    let exchange = async {
+        let response = post(ctx, &instance, body)
+            .send()
+            .await
+            .map_err(|e| transport_error(&instance, e))?;
+        let status = response.status();
+        let bytes = read_capped(response)
+            .await
+            .map_err(|e| transport_error(&instance, e))?;
+        Ok::<_, ProxyError>((status, bytes))
+    };
+    let (status, bytes) = tokio::time::timeout(limit, exchange)
+        .await
+        .map_err(|_| timeout_error(&instance, limit))??;
+    drop(lease);
+    if !status.is_success() {
+        return Err(error_status(&instance, status, bytes));
+    }
+    kv_transfer_params(&bytes).map_err(|e| match e {
+        KvParamsError::Missing => ProxyError::MissingKvTransferParams {
+            url: instance.url().to_owned(),
+        },
+        KvParamsError::NotJson(reason) => ProxyError::InvalidUpstreamResponse {
+            role: Role::Prefill,
+            url: instance.url().to_owned(),
+            reason,
+        },
+    })
+}
+
+/// One decode call: its head within `decode_first_byte_timeout`, then its body relayed.
+async fn decode_once(ctx: &Ctx, lease: Lease, body: &ClientBody) -> Result<Response, ProxyError> {
+    let instance = lease.instance().clone();
+    let settings = ctx.state.settings();
+    let limit = settings.decode_first_byte_timeout;
+    let response = tokio::time::timeout(limit, post(ctx, &instance, body).send())
+        .await
+        .map_err(|_| timeout_error(&instance, limit))?
+        .map_err(|e| transport_error(&instance, e))?;
+    let status = response.status();
+    if !status.is_success() {
+        let idle = settings.decode_idle_timeout;
+        let bytes = tokio::time::timeout(idle, read_capped(response))
+            .await
+            .map_err(|_| timeout_error(&instance, idle))?
+            .map_err(|e| transport_error(&instance, e))?;
+        return Err(error_status(&instance, status, bytes));
+    }
+    let mut answer = Response::builder().status(status);
+    for name in RELAYED_HEADERS {
+        if let Some(value) = response.headers().get(&name) {
+            answer = answer.header(name, value.clone());
+        }
+    }
+    let in_flight = InFlight {
+        _lease: lease,
+        route: ctx.route.label(),
+        request_id: ctx.request_id.clone(),
+        started: ctx.started,
+        first_chunk_seen: false,
+        finished: false,
+    };
+    let body = Body::from_stream(relay(
+        Box::pin(response.bytes_stream()),
+        in_flight,
+        settings.decode_idle_timeout,
+    ));
+    Ok(answer
+        .body(body)
+        .expect("status and headers come from a valid upstream response"))
+}
+
+/// A decode answer being relayed: holds the decode lease and counts the request when it ends,
+/// as `client_disconnected` if it is dropped before the upstream body ended.
+struct InFlight {
+    _lease: Lease,
+    route: &'static str,
+    request_id: String,
+    started: Instant,
+    first_chunk_seen: bool,
+    finished: bool,
+}
+
+impl InFlight {
+    fn chunk(&mut self) {
+        if !self.first_chunk_seen {
+            self.first_chunk_seen = true;
+            telemetry::first_chunk_after(self.started.elapsed().as_secs_f64());
+        }
+    }
+
+    fn finish(&mut self, outcome: &'static str) {
+        self.finished = true;
+        telemetry::request_finished(self.route, outcome);
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        if !self.finished {
+            tracing::debug!(request_id = %self.request_id, "client went away; aborting the decode request");
+            telemetry::request_finished(self.route, telemetry::OUTCOME_CLIENT_DISCONNECTED);
+        }
+    }
+}
+
+type UpstreamBody = Pin<Box<dyn Stream<Item = reqwest::Result<Bytes>> + Send>>;
+
+/// Relays `upstream` chunk by chunk; a silence longer than `idle` or an upstream error ends the
+/// body with an error (the client's connection is cut, so it sees a truncated answer).
+fn relay(
+    upstream: UpstreamBody,
+    in_flight: InFlight,
+    idle: Duration,
+) -> impl Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static {
+    futures::stream::unfold(Some((upstream, in_flight)), move |state| async move {
+        let (mut upstream, mut in_flight) = state?;
+        loop {
+            match tokio::time::timeout(idle, upstream.next()).await {
+                Ok(Some(Ok(chunk))) if chunk.is_empty() => continue,
+                Ok(Some(Ok(chunk))) => {
+                    in_flight.chunk();
+                    return Some((Ok(chunk), Some((upstream, in_flight))));
+                }
+                Ok(None) => {
+                    in_flight.finish(telemetry::OUTCOME_OK);
+                    return None;
+                }
+                Ok(Some(Err(e))) => {
+                    tracing::warn!(request_id = %in_flight.request_id, error = %e, "decode body failed mid-stream");
+                    in_flight.finish(telemetry::OUTCOME_STREAM_ERROR);
+                    return Some((Err(std::io::Error::other(e)), None));
+                }
+                Err(_) => {
+                    tracing::warn!(request_id = %in_flight.request_id, ?idle, "decode body idle for too long");
+                    in_flight.finish(telemetry::OUTCOME_STREAM_ERROR);
+                    return Some((
+                        Err(std::io::Error::other("decode instance went silent")),
+                        None,
+                    ));
+                }
+            }
+        }
+    })
+}
+
+/// `GET /v1/models` on a decode instance, relayed as is.
+async fn models_request(ctx: &Ctx) -> Result<Response, ProxyError> {
+    let response =
+        with_connect_retry(&ctx.state, Role::Decode, |lease| models_once(ctx, lease)).await?;
+    telemetry::request_finished(ctx.route.label(), telemetry::OUTCOME_OK);
+    Ok(response)
+}
+
+async fn models_once(ctx: &Ctx, lease: Lease) -> Result<Response, ProxyError> {
+    let instance: Arc<Instance> = lease.instance().clone();
+    let limit = ctx.state.settings().prefill_timeout;
+    let exchange = async {
+        let url = format!("{}{}", instance.url(), ctx.route.path());
+        let mut request = ctx
+            .state
+            .client()
+            .get(url)
+            .header(X_REQUEST_ID, ctx.request_id.as_str());
+        if let Some(auth) = &ctx.authorization {
+            request = request.header(header::AUTHORIZATION, auth.clone());
+        }
+        let response = request
+            .send()
+            .await
+            .map_err(|e| transport_error(&instance, e))?;
+        let status = response.status();
+        let content_type = response.headers().get(header::CONTENT_TYPE).cloned();
+        let bytes = read_capped(response)
+            .await
+            .map_err(|e| transport_error(&instance, e))?;
+        Ok::<_, ProxyError>((status, content_type, bytes))
+    };
+    let (status, content_type, bytes) = tokio::time::timeout(limit, exchange)
+        .await
+        .map_err(|_| timeout_error(&instance, limit))??;
+    if !status.is_success() {
+        return Err(error_status(&instance, status, bytes));
+    }
+    let mut response = (status, bytes).into_response();
+    if let Some(content_type) = content_type {
+        response
+            .headers_mut()
+            .insert(header::CONTENT_TYPE, content_type);
+    }
+    Ok(response)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_id_keeps_a_sane_client_id_and_replaces_others() {
+        let mut headers = HeaderMap::new();
+        headers.insert(X_REQUEST_ID, HeaderValue::from_static("client-42"));
+        assert_eq!(request_id(&headers), "client-42");
+        headers.insert(X_REQUEST_ID, HeaderValue::from_static("has space"));
+        assert_ne!(request_id(&headers), "has space");
+        let long = "x".repeat(MAX_REQUEST_ID_LEN + 1);
+        headers.insert(X_REQUEST_ID, HeaderValue::from_str(&long).unwrap());
+        assert_eq!(request_id(&headers).len(), 36);
+        assert_eq!(request_id(&HeaderMap::new()).len(), 36);
+    }
+}

@@ -1,0 +1,147 @@
+//! `ProxyState`: what every handler shares — the validated settings, one HTTP client for all
+//! upstream calls, the prefill and decode pools, the optional Prometheus handle — and the
+//! background health checks of the pools.
+//!
+//! Invariants: cheap to clone (one `Arc`); the pools are fixed at start (no instance is added or
+//! removed, only taken out of and put back in rotation); the health-check task only flips
+//! `healthy` and ends when its `JoinHandle` is aborted.
+
+use std::sync::Arc;
+
+use metrics_exporter_prometheus::PrometheusHandle;
+use serde::Serialize;
+
+use crate::config::{ProxyArgs, Settings};
+use crate::error::ProxyError;
+use crate::pool::{InstanceStatus, Pool, Role};
+use crate::telemetry;
+
+/// Shared state of the proxy's handlers.
+#[derive(Clone)]
+pub struct ProxyState {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    settings: Settings,
+    client: reqwest::Client,
+    prefill: Pool,
+    decode: Pool,
+    prometheus: Option<PrometheusHandle>,
+}
+
+impl std::fmt::Debug for ProxyState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProxyState")
+            .field("settings", &self.inner.settings)
+            .field("prefill", &self.inner.prefill)
+            .field("decode", &self.inner.decode)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Every upstream instance, as `/health` reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ProxyStatus {
+    /// The prefill instances, in `--prefill` order.
+    pub prefill: Vec<InstanceStatus>,
+    /// The decode instances, in `--decode` order.
+    pub decode: Vec<InstanceStatus>,
+}
+
+impl ProxyStatus {
+    /// Whether each role has at least one instance in rotation.
+    pub fn is_ready(&self) -> bool {
+        self.prefill.iter().any(|i| i.healthy) && self.decode.iter().any(|i| i.healthy)
+    }
+}
+
+impl ProxyState {
+    /// Validates `args` and builds the state. `prometheus` renders `/metrics` (404 without it);
+    /// it must be the handle of the globally installed recorder for the proxy's metrics to show.
+    pub fn new(args: ProxyArgs, prometheus: Option<PrometheusHandle>) -> Result<Self, ProxyError> {
+        let settings = args.validate()?;
+        telemetry::describe();
+        let client = reqwest::Client::builder()
+            .connect_timeout(settings.connect_timeout)
+            .tcp_nodelay(true)
+            .redirect(reqwest::redirect::Policy::none())
+            .build()
+            .map_err(|e| ProxyError::Config(format!("cannot build the HTTP client: {e}")))?;
+        let prefill = Pool::new(Role::Prefill, &settings.prefill);
+        let decode = Pool::new(Role::Decode, &settings.decode);
+        Ok(Self {
+            inner: Arc::new(Inner {
+                settings,
+                client,
+                prefill,
+                decode,
+                prometheus,
+            }),
+        })
+    }
+
+    /// Every upstream instance: in rotation or not, requests in flight.
+    pub fn status(&self) -> ProxyStatus {
+        ProxyStatus {
+            prefill: self.inner.prefill.status(),
+            decode: self.inner.decode.status(),
+        }
+    }
+
+    /// Starts the background health checks: every `health_check_interval_secs`, `GET {url}/health`
+    /// on each instance; a 2xx within `health_check_timeout_secs` puts it in rotation, anything
+    /// else takes it out. The first round runs at once. Abort the handle to stop it.
+    pub fn spawn_health_checks(&self) -> tokio::task::JoinHandle<()> {
+        let state = self.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(state.settings().health_check_interval);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                state.check_health_once().await;
+            }
+        })
+    }
+
+    /// One round of health checks over every instance, concurrently.
+    pub async fn check_health_once(&self) {
+        let timeout = self.settings().health_check_timeout;
+        let checks = self
+            .pool(Role::Prefill)
+            .instances()
+            .iter()
+            .chain(self.pool(Role::Decode).instances())
+            .map(|instance| async move {
+                let url = format!("{}/health", instance.url());
+                let healthy = match self.client().get(&url).timeout(timeout).send().await {
+                    Ok(response) => response.status().is_success(),
+                    Err(e) => {
+                        tracing::debug!(%url, error = %e, "health check failed");
+                        false
+                    }
+                };
+                instance.set_healthy(healthy);
+            });
+        futures::future::join_all(checks).await;
+    }
+
+    pub(crate) fn settings(&self) -> &Settings {
+        &self.inner.settings
+    }
+
+    pub(crate) fn client(&self) -> &reqwest::Client {
+        &self.inner.client
+    }
+
+    pub(crate) fn pool(&self, role: Role) -> &Pool {
+        match role {
+            Role::Prefill => &self.inner.prefill,
+            Role::Decode => &self.inner.decode,
+        }
+    }
+
+    pub(crate) fn prometheus(&self) -> Option<&PrometheusHandle> {
+        self.inner.prometheus.as_ref()
+    }
+}

@@ -1,0 +1,578 @@
+//! [`NixlAgent`]: one NIXL agent with a UCX backend over one worker's KV memory, and the peers it
+//! has completed a handshake with.
+//!
+//! On creation the agent registers every layer's K and V array (DRAM) and prepares, once, a
+//! local descriptor list with one descriptor per block of every array. [`NixlAgent::add_peer`]
+//! checks a peer's [`NixlHandshake`] against ours, loads its metadata and prepares the peer's
+//! list the same way ("prepared once per peer"); transfers are then `make_xfer_req` over index
+//! lists (see `transfer.rs`).
+//!
+//! Invariants:
+//! - The agent never owns KV memory. It either holds an `Arc<KvStorage>` ([`NixlAgent::new`]) or
+//!   the caller promises the memory outlives it ([`NixlAgent::with_memory`]). Registrations are
+//!   dropped after the local prepared list and before the memory.
+//! - A prepared list is released before the agent it came from is destroyed, and a peer's
+//!   metadata is invalidated only when no transfer handle uses the peer any more: transfer handles
+//!   hold the peer's and the local side's `Arc`, so removing a peer with transfers in flight is
+//!   safe and takes effect when the last of them is dropped.
+//! - The agent is `Send + Sync`; NIXL runs with `ThreadSync::Rw`, so threads may share it.
+//! - Its progress thread (on by default) sleeps in `poll()` on UCX's event fd with a timeout of
+//!   `progress_delay_us` (at least 1 ms), so an idle agent costs almost no CPU.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use nixl_sys::{
+    Agent, AgentConfig, MemType, NixlDescriptor, NotificationMap, RegistrationHandle, ThreadSync,
+    XferDescList, XferDlistHandle,
+};
+use tandem_kv_cache::{BlockLayout, KvPart, KvStorage, MemoryRegion};
+
+use super::descriptors::{DescTable, RegionGeometry};
+use super::handshake::{LayerInfo, NixlHandshake, RegionInfo};
+use super::library::{load_nixl, NixlLibrary};
+use super::nixl_err;
+use crate::error::KvConnectorError;
+
+/// How to create a [`NixlAgent`]; [`NixlAgentConfig::new`] gives the defaults.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NixlAgentConfig {
+    /// This instance's engine id (goes into the handshake).
+    pub engine_id: String,
+    /// The served model's name (part of the compatibility hash).
+    pub model: String,
+    pub tp_rank: usize,
+    pub tp_size: usize,
+    /// The NIXL agent name; default `tandem-{engine_id}-tp{rank}-{pid}-{nonce}`, unique per
+    /// process start so a restarted peer never reuses a name.
+    pub agent_name: Option<String>,
+    /// Directory of `libnixl_capi.so` (a `--nixl-lib-dir` flag); default: see `library.rs`.
+    pub lib_dir: Option<PathBuf>,
+    /// Run NIXL's progress thread. On (default): a passive peer (the producer of a READ, the
+    /// target of a WRITE) answers flushes and receives notifications without calling NIXL.
+    /// Off: the process must keep calling NIXL (e.g. [`NixlAgent::get_notifs`]) or transfers
+    /// from its peers stall.
+    pub progress_thread: bool,
+    /// Longest sleep of the progress thread between event checks, in µs (NIXL rounds up to ms).
+    pub progress_delay_us: u64,
+    /// Extra UCX backend parameters (`get_plugin_params("UCX")` keys), e.g.
+    /// `("ucx_error_handling_mode", "none")`.
+    pub ucx_params: Vec<(String, String)>,
+}
+
+impl NixlAgentConfig {
+    /// Defaults: TP 1 rank 0, generated agent name, library discovery, progress thread on with
+    /// a 1 ms delay.
+    pub fn new(engine_id: &str, model: &str) -> Self {
+        NixlAgentConfig {
+            engine_id: engine_id.to_string(),
+            model: model.to_string(),
+            tp_rank: 0,
+            tp_size: 1,
+            agent_name: None,
+            lib_dir: None,
+            progress_thread: true,
+            progress_delay_us: DEFAULT_PROGRESS_DELAY_US,
+            ucx_params: Vec::new(),
+        }
+    }
+}
+
+/// Default [`NixlAgentConfig::progress_delay_us`].
+pub const DEFAULT_PROGRESS_DELAY_US: u64 = 1000;
+
+/// One layer of the memory an agent registers: its layout, name, and its K and V arrays.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvLayerMemory {
+    pub name: String,
+    pub layout: BlockLayout,
+    pub k: MemoryRegion,
+    pub v: MemoryRegion,
+}
+
+/// The layers of a storage, in storage order.
+pub fn storage_layers(storage: &KvStorage) -> Vec<KvLayerMemory> {
+    let regions = storage.regions();
+    (0..storage.num_layers())
+        .map(|layer| {
+            let find = |part| {
+                *regions
+                    .iter()
+                    .find(|r| r.layer == layer && r.part == part)
+                    .expect("KvStorage::regions covers K and V of every layer")
+            };
+            KvLayerMemory {
+                name: storage.layer_name(layer).to_string(),
+                layout: storage.layout(layer),
+                k: find(KvPart::K),
+                v: find(KvPart::V),
+            }
+        })
+        .collect()
+}
+
+/// A DRAM region in the shape `nixl_sys` registers.
+#[derive(Debug)]
+struct DramRegion {
+    addr: usize,
+    len: usize,
+}
+
+impl nixl_sys::MemoryRegion for DramRegion {
+    unsafe fn as_ptr(&self) -> *const u8 {
+        self.addr as *const u8
+    }
+    fn size(&self) -> usize {
+        self.len
+    }
+}
+
+impl NixlDescriptor for DramRegion {
+    fn mem_type(&self) -> MemType {
+        MemType::Dram
+    }
+    fn device_id(&self) -> u64 {
+        0
+    }
+}
+
+/// Builds a DRAM descriptor list over `table` and prepares it for `agent_name` ("" = local).
+fn prepare_dlist(
+    agent: &Agent,
+    agent_name: &str,
+    table: &DescTable,
+) -> Result<XferDlistHandle, nixl_sys::NixlError> {
+    let mut list = XferDescList::new(MemType::Dram)?;
+    for (addr, len) in table.descriptors() {
+        list.add_desc(addr, len, 0);
+    }
+    agent.prepare_xfer_dlist(agent_name, &list, None)
+}
+
+/// The local side: registrations, the prepared local list, and what keeps the memory alive.
+pub(crate) struct LocalSide {
+    // Released in Drop, in this order, before `agent` and `_memory`.
+    dlist: Option<XferDlistHandle>,
+    registrations: Vec<RegistrationHandle>,
+    pub(crate) table: DescTable,
+    pub(crate) agent: Agent,
+    _memory: Option<Arc<KvStorage>>,
+}
+
+// SAFETY: the prepared list handle is immutable after creation and only passed to NIXL calls,
+// which the agent serializes itself (ThreadSync::Rw); the handle is released once, in Drop.
+unsafe impl Send for LocalSide {}
+unsafe impl Sync for LocalSide {}
+
+impl LocalSide {
+    pub(crate) fn dlist(&self) -> &XferDlistHandle {
+        self.dlist.as_ref().expect("present until drop")
+    }
+}
+
+impl Drop for LocalSide {
+    fn drop(&mut self) {
+        drop(self.dlist.take());
+        self.registrations.clear();
+    }
+}
+
+/// A peer whose handshake we accepted: its metadata is loaded and its list prepared.
+pub(crate) struct PeerEntry {
+    // Released in Drop before the metadata is invalidated and before `agent`.
+    dlist: Option<XferDlistHandle>,
+    pub(crate) name: String,
+    pub(crate) engine_id: String,
+    metadata: Vec<u8>,
+    pub(crate) table: DescTable,
+    agent: Agent,
+}
+
+// SAFETY: as for LocalSide.
+unsafe impl Send for PeerEntry {}
+unsafe impl Sync for PeerEntry {}
+
+impl PeerEntry {
+    pub(crate) fn dlist(&self) -> &XferDlistHandle {
+        self.dlist.as_ref().expect("present until drop")
+    }
+}
+
+impl Drop for PeerEntry {
+    fn drop(&mut self) {
+        drop(self.dlist.take());
+        if let Err(e) = self.agent.invalidate_remote_md(&self.name) {
+            tracing::debug!(peer = %self.name, error = %e, "invalidating NIXL peer metadata failed");
+        }
+        tracing::debug!(peer = %self.name, engine = %self.engine_id, "NIXL peer removed");
+    }
+}
+
+/// One NIXL agent over one worker's KV memory. See the module docs.
+pub struct NixlAgent {
+    // Field order is drop order: peers, then the local side, then the agent handle.
+    peers: Mutex<HashMap<String, Arc<PeerEntry>>>,
+    pub(crate) local: Arc<LocalSide>,
+    config: NixlAgentConfig,
+    name: String,
+    layers: Vec<LayerInfo>,
+    library: NixlLibrary,
+    agent: Agent,
+}
+
+impl std::fmt::Debug for NixlAgent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NixlAgent")
+            .field("name", &self.name)
+            .field("engine_id", &self.config.engine_id)
+            .field("layers", &self.layers.len())
+            .field("peers", &self.peers().len())
+            .finish()
+    }
+}
+
+fn default_agent_name(config: &NixlAgentConfig) -> String {
+    static SEQ: AtomicU64 = AtomicU64::new(0);
+    let nonce = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    format!(
+        "tandem-{}-tp{}-{}-{:x}{}",
+        config.engine_id,
+        config.tp_rank,
+        std::process::id(),
+        nonce,
+        SEQ.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+impl NixlAgent {
+    /// Creates an agent over `storage` (kept alive by the agent and its transfers), registering
+    /// every layer's K and V arrays.
+    pub fn new(config: NixlAgentConfig, storage: Arc<KvStorage>) -> Result<Self, KvConnectorError> {
+        let layers = storage_layers(&storage);
+        // SAFETY: the agent and its transfers hold `storage`, so the memory outlives them.
+        unsafe { Self::create(config, layers, Some(storage)) }
+    }
+
+    /// Creates an agent over memory the caller owns.
+    ///
+    /// # Safety
+    /// Every region in `layers` must stay allocated, and must not be freed or moved, until this
+    /// agent and every [`super::TransferHandle`] it returned are dropped. NIXL writes into the
+    /// local blocks named by READs while they are in flight.
+    pub unsafe fn with_memory(
+        config: NixlAgentConfig,
+        layers: Vec<KvLayerMemory>,
+    ) -> Result<Self, KvConnectorError> {
+        // SAFETY: forwarded to the caller.
+        unsafe { Self::create(config, layers, None) }
+    }
+
+    unsafe fn create(
+        config: NixlAgentConfig,
+        layers: Vec<KvLayerMemory>,
+        memory: Option<Arc<KvStorage>>,
+    ) -> Result<Self, KvConnectorError> {
+        if layers.is_empty() {
+            return Err(KvConnectorError::InvalidRegions("no layers".into()));
+        }
+        if config.tp_size == 0 || config.tp_rank >= config.tp_size {
+            return Err(KvConnectorError::InvalidRegions(format!(
+                "TP rank {} of size {}",
+                config.tp_rank, config.tp_size
+            )));
+        }
+        // Must come before any nixl_sys call: a missing library would abort the process.
+        let library = load_nixl(config.lib_dir.as_deref())?;
+
+        let mut geometry = Vec::with_capacity(2 * layers.len());
+        let mut infos = Vec::with_capacity(layers.len());
+        for l in &layers {
+            for r in [l.k, l.v] {
+                geometry.push(RegionGeometry {
+                    addr: r.addr,
+                    len: r.len,
+                    block_bytes: l.layout.block_bytes(),
+                    num_blocks: l.layout.num_blocks,
+                });
+            }
+            let info = |r: MemoryRegion| RegionInfo {
+                addr: r.addr as u64,
+                len: r.len as u64,
+            };
+            infos.push(LayerInfo::new(&l.name, &l.layout, info(l.k), info(l.v)));
+        }
+        let table = DescTable::new(geometry)?;
+
+        let name = config
+            .agent_name
+            .clone()
+            .unwrap_or_else(|| default_agent_name(&config));
+        let cfg = AgentConfig {
+            enable_prog_thread: config.progress_thread,
+            enable_listen_thread: false,
+            thread_sync: ThreadSync::Rw,
+            pthr_delay_us: config.progress_delay_us,
+            capture_telemetry: false,
+            ..AgentConfig::default()
+        };
+        let agent =
+            Agent::new_configured(&name, &cfg).map_err(|e| nixl_err("agent creation", e))?;
+        let (_mems, mut params) =
+            agent
+                .get_plugin_params("UCX")
+                .map_err(|e| KvConnectorError::Nixl {
+                    op: "UCX plugin lookup",
+                    reason: format!(
+                        "{e} (is libplugin_UCX.so in the library's plugins/ directory?)"
+                    ),
+                })?;
+        for (k, v) in &config.ucx_params {
+            params.set(k, v).map_err(|e| nixl_err("UCX parameter", e))?;
+        }
+        agent
+            .create_backend("UCX", &params)
+            .map_err(|e| nixl_err("UCX backend creation", e))?;
+
+        let mut registrations = Vec::with_capacity(table.regions().len());
+        for r in table.regions() {
+            let region = DramRegion {
+                addr: r.addr,
+                len: r.len,
+            };
+            registrations.push(
+                agent
+                    .register_memory(&region, None)
+                    .map_err(|e| nixl_err("memory registration", e))?,
+            );
+        }
+        let dlist = prepare_dlist(&agent, "", &table)
+            .map_err(|e| nixl_err("local descriptor list preparation", e))?;
+        tracing::info!(agent = %name, layers = layers.len(), descriptors = table.len(),
+            progress_thread = config.progress_thread, "NIXL agent ready");
+        Ok(NixlAgent {
+            peers: Mutex::new(HashMap::new()),
+            local: Arc::new(LocalSide {
+                dlist: Some(dlist),
+                registrations,
+                table,
+                agent: agent.clone(),
+                _memory: memory,
+            }),
+            config,
+            name,
+            layers: infos,
+            library,
+            agent,
+        })
+    }
+
+    /// The NIXL agent name (peers see it as the sender of notifications).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn config(&self) -> &NixlAgentConfig {
+        &self.config
+    }
+
+    /// The NIXL library this process loaded.
+    pub fn library(&self) -> &NixlLibrary {
+        &self.library
+    }
+
+    /// Blocks per array of the local cache.
+    pub fn num_blocks(&self) -> usize {
+        self.local.table.num_blocks()
+    }
+
+    /// The agent's metadata for peers (`get_local_md`), including its registered memory.
+    pub fn metadata(&self) -> Result<Vec<u8>, KvConnectorError> {
+        self.agent
+            .get_local_md()
+            .map_err(|e| nixl_err("metadata export", e))
+    }
+
+    /// Our handshake, to be served to peers.
+    pub fn handshake(&self) -> Result<NixlHandshake, KvConnectorError> {
+        Ok(NixlHandshake::new(
+            &self.config.engine_id,
+            &self.name,
+            self.metadata()?,
+            &self.config.model,
+            self.config.tp_rank,
+            self.config.tp_size,
+            self.layers.clone(),
+        ))
+    }
+
+    /// Accepts a peer: checks its handshake against ours, loads its metadata and prepares its
+    /// descriptor list. Returns the peer's agent name, the key of every later call. Adding the
+    /// same handshake again is a no-op.
+    pub fn add_peer(&self, peer: &NixlHandshake) -> Result<String, KvConnectorError> {
+        let ours = self.handshake()?;
+        ours.check_compatible(peer)?;
+        if peer.agent_name == self.name {
+            return Err(KvConnectorError::InvalidHandshake(
+                "the peer is this agent itself".into(),
+            ));
+        }
+        let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(existing) = peers.get(&peer.agent_name) {
+            if existing.metadata == peer.agent_metadata {
+                return Ok(existing.name.clone());
+            }
+            return Err(KvConnectorError::InvalidHandshake(format!(
+                "peer agent {:?} is already loaded with other metadata; remove it first",
+                peer.agent_name
+            )));
+        }
+        let mut geometry = Vec::with_capacity(2 * peer.layers.len());
+        for l in &peer.layers {
+            for r in [l.k, l.v] {
+                geometry.push(RegionGeometry {
+                    addr: r.addr as usize,
+                    len: r.len as usize,
+                    block_bytes: l.block_bytes,
+                    num_blocks: l.num_blocks,
+                });
+            }
+        }
+        let table = DescTable::new(geometry)?;
+        self.local.table.check_pairs_with(&table)?;
+
+        let loaded = self
+            .agent
+            .load_remote_md(&peer.agent_metadata)
+            .map_err(|e| nixl_err("peer metadata load", e))?;
+        let invalidate = |name: &str| {
+            let _ = self.agent.invalidate_remote_md(name);
+        };
+        if loaded != peer.agent_name {
+            invalidate(&loaded);
+            return Err(KvConnectorError::InvalidHandshake(format!(
+                "metadata is of agent {loaded:?}, handshake says {:?}",
+                peer.agent_name
+            )));
+        }
+        let dlist = match prepare_dlist(&self.agent, &loaded, &table) {
+            Ok(d) => d,
+            Err(e) => {
+                invalidate(&loaded);
+                return Err(KvConnectorError::InvalidHandshake(format!(
+                    "the peer's regions are not covered by its registered memory ({e})"
+                )));
+            }
+        };
+        tracing::info!(peer = %loaded, engine = %peer.engine_id, "NIXL peer added");
+        peers.insert(
+            loaded.clone(),
+            Arc::new(PeerEntry {
+                dlist: Some(dlist),
+                name: loaded.clone(),
+                engine_id: peer.engine_id.clone(),
+                metadata: peer.agent_metadata.clone(),
+                table,
+                agent: self.agent.clone(),
+            }),
+        );
+        Ok(loaded)
+    }
+
+    /// Forgets a peer. Its metadata is invalidated once the last transfer handle to it is
+    /// dropped. Returns whether it was known.
+    pub fn remove_peer(&self, peer: &str) -> bool {
+        let removed = self
+            .peers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(peer);
+        removed.is_some()
+    }
+
+    /// Agent names of the accepted peers.
+    pub fn peers(&self) -> Vec<String> {
+        let peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+        let mut names: Vec<String> = peers.keys().cloned().collect();
+        names.sort();
+        names
+    }
+
+    pub fn has_peer(&self, peer: &str) -> bool {
+        self.peers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains_key(peer)
+    }
+
+    /// The engine id a peer's handshake named.
+    pub fn peer_engine_id(&self, peer: &str) -> Option<String> {
+        self.peers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(peer)
+            .map(|p| p.engine_id.clone())
+    }
+
+    /// Blocks per array of a peer's cache.
+    pub fn peer_num_blocks(&self, peer: &str) -> Option<usize> {
+        self.peers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(peer)
+            .map(|p| p.table.num_blocks())
+    }
+
+    pub(crate) fn peer(&self, peer: &str) -> Result<Arc<PeerEntry>, KvConnectorError> {
+        self.peers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(peer)
+            .cloned()
+            .ok_or_else(|| KvConnectorError::UnknownPeer(peer.to_string()))
+    }
+
+    /// Notifications received since the last call, as (sender agent name, bytes), in arrival
+    /// order per sender. Binary-safe. Senders need not be peers of ours (in pull mode only the
+    /// consumer loads metadata).
+    pub fn get_notifs(&self) -> Result<Vec<(String, Vec<u8>)>, KvConnectorError> {
+        let mut map = NotificationMap::new().map_err(|e| nixl_err("notification map", e))?;
+        self.agent
+            .get_notifications(&mut map, None)
+            .map_err(|e| nixl_err("notification fetch", e))?;
+        let senders: Vec<String> = map
+            .agents()
+            .map(|a| a.map(str::to_string))
+            .collect::<Result<_, _>>()
+            .map_err(|e| nixl_err("notification sender", e))?;
+        let mut out = Vec::new();
+        for sender in senders {
+            let n = map
+                .get_notifications_size(&sender)
+                .map_err(|e| nixl_err("notification count", e))?;
+            for i in 0..n {
+                let bytes = map
+                    .get_notification_bytes(&sender, i)
+                    .map_err(|e| nixl_err("notification read", e))?;
+                out.push((sender.clone(), bytes));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Sends a notification to a peer, outside of any transfer (e.g. a lease renewal).
+    pub fn send_notif(&self, peer: &str, message: &[u8]) -> Result<(), KvConnectorError> {
+        let peer = self.peer(peer)?;
+        self.agent
+            .send_notification(&peer.name, message, None)
+            .map_err(|e| KvConnectorError::TransferFailed {
+                op: "notification",
+                peer: peer.name.clone(),
+                reason: e.to_string(),
+            })
+    }
+}

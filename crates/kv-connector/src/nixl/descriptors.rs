@@ -1,0 +1,298 @@
+//! Descriptor geometry: how (region, block) pairs of one side map to indices of a NIXL prepared
+//! descriptor list, and the plan of one transfer (index lists, bytes, coalesced descriptors).
+//!
+//! A side's prepared list holds one descriptor per block of every region, regions in storage
+//! order (layer 0 K, layer 0 V, layer 1 K, …): descriptor `offset[r] + b` is block `b` of region
+//! `r`, at `addr[r] + b * block_bytes[r]`. Local and remote region `r` are the same (layer, part).
+//!
+//! Invariants of a [`TransferPlan`]: both index lists have the same length, pair `i` moves
+//! `block_bytes[r]` bytes, destination blocks are distinct, and pairs are ordered by region and
+//! then by source block so that NIXL's `make_xfer_req` merges runs of blocks that are
+//! consecutive on both sides into one descriptor; [`TransferPlan::descriptors`] counts the
+//! descriptors after that merge (NIXL merges only within one registered region).
+
+use std::collections::HashSet;
+
+use crate::error::KvConnectorError;
+
+/// Which side of a transfer a block id belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    Local,
+    Remote,
+}
+
+impl std::fmt::Display for Side {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Side::Local => "local",
+            Side::Remote => "remote",
+        })
+    }
+}
+
+/// One contiguous array of one side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RegionGeometry {
+    pub addr: usize,
+    pub len: usize,
+    pub block_bytes: usize,
+    pub num_blocks: usize,
+}
+
+/// The regions of one side, and where each starts in its prepared descriptor list.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DescTable {
+    regions: Vec<RegionGeometry>,
+    offsets: Vec<usize>,
+    total: usize,
+}
+
+impl DescTable {
+    pub fn new(regions: Vec<RegionGeometry>) -> Result<Self, KvConnectorError> {
+        if regions.is_empty() {
+            return Err(KvConnectorError::InvalidRegions("no regions".into()));
+        }
+        let mut offsets = Vec::with_capacity(regions.len());
+        let mut total = 0usize;
+        for (i, r) in regions.iter().enumerate() {
+            if r.block_bytes == 0 || r.num_blocks == 0 {
+                return Err(KvConnectorError::InvalidRegions(format!(
+                    "region {i}: zero blocks or zero-sized blocks"
+                )));
+            }
+            if r.num_blocks
+                .checked_mul(r.block_bytes)
+                .is_none_or(|n| n > r.len)
+            {
+                return Err(KvConnectorError::InvalidRegions(format!(
+                    "region {i}: {} bytes cannot hold {} blocks of {} bytes",
+                    r.len, r.num_blocks, r.block_bytes
+                )));
+            }
+            offsets.push(total);
+            total += r.num_blocks;
+        }
+        if total > i32::MAX as usize {
+            return Err(KvConnectorError::InvalidRegions(format!(
+                "{total} block descriptors exceed NIXL's i32 index range"
+            )));
+        }
+        Ok(DescTable {
+            regions,
+            offsets,
+            total,
+        })
+    }
+
+    pub fn regions(&self) -> &[RegionGeometry] {
+        &self.regions
+    }
+
+    /// Number of descriptors in the prepared list.
+    pub fn len(&self) -> usize {
+        self.total
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.total == 0
+    }
+
+    /// The blocks of the side: the smallest `num_blocks` over its regions.
+    pub fn num_blocks(&self) -> usize {
+        self.regions.iter().map(|r| r.num_blocks).min().unwrap_or(0)
+    }
+
+    /// Every descriptor `(addr, len)` in list order.
+    pub fn descriptors(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+        self.regions.iter().flat_map(|r| {
+            (0..r.num_blocks).map(move |b| (r.addr + b * r.block_bytes, r.block_bytes))
+        })
+    }
+
+    fn index(&self, region: usize, block: usize) -> i32 {
+        (self.offsets[region] + block) as i32
+    }
+
+    /// Checks that the other side's regions pair with ours one to one with equal block sizes.
+    pub fn check_pairs_with(&self, other: &DescTable) -> Result<(), KvConnectorError> {
+        if self.regions.len() != other.regions.len() {
+            return Err(KvConnectorError::InvalidRegions(format!(
+                "{} local regions but {} remote regions",
+                self.regions.len(),
+                other.regions.len()
+            )));
+        }
+        for (i, (a, b)) in self.regions.iter().zip(&other.regions).enumerate() {
+            if a.block_bytes != b.block_bytes {
+                return Err(KvConnectorError::InvalidRegions(format!(
+                    "region {i}: local blocks of {} bytes, remote blocks of {} bytes",
+                    a.block_bytes, b.block_bytes
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What one transfer moves, as indices into the two prepared lists.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TransferPlan {
+    pub local_indices: Vec<i32>,
+    pub remote_indices: Vec<i32>,
+    /// Bytes moved (one direction).
+    pub bytes: u64,
+    /// Blocks moved per region (the length of the id lists).
+    pub blocks: usize,
+    /// Descriptors after NIXL merges consecutive blocks.
+    pub descriptors: usize,
+}
+
+fn check_ids(ids: &[usize], table: &DescTable, side: Side) -> Result<(), KvConnectorError> {
+    let num_blocks = table.num_blocks();
+    match ids.iter().find(|&&b| b >= num_blocks) {
+        Some(&block) => Err(KvConnectorError::BlockOutOfRange {
+            side,
+            block,
+            num_blocks,
+        }),
+        None => Ok(()),
+    }
+}
+
+/// Plans moving blocks `remote_ids[i]` ⇄ `local_ids[i]` of every region. `dest` is the side
+/// written to (local for a READ, remote for a WRITE); its ids must be distinct.
+pub fn plan_transfer(
+    local: &DescTable,
+    remote: &DescTable,
+    local_ids: &[usize],
+    remote_ids: &[usize],
+    dest: Side,
+) -> Result<TransferPlan, KvConnectorError> {
+    if local_ids.len() != remote_ids.len() {
+        return Err(KvConnectorError::BlockCountMismatch {
+            local: local_ids.len(),
+            remote: remote_ids.len(),
+        });
+    }
+    local.check_pairs_with(remote)?;
+    check_ids(local_ids, local, Side::Local)?;
+    check_ids(remote_ids, remote, Side::Remote)?;
+    let dest_ids = match dest {
+        Side::Local => local_ids,
+        Side::Remote => remote_ids,
+    };
+    let mut seen = HashSet::with_capacity(dest_ids.len());
+    if let Some(&block) = dest_ids.iter().find(|&&b| !seen.insert(b)) {
+        return Err(KvConnectorError::DuplicateBlock { side: dest, block });
+    }
+
+    // Source order maximises runs that are consecutive on both sides.
+    let mut pairs: Vec<(usize, usize)> = local_ids
+        .iter()
+        .copied()
+        .zip(remote_ids.iter().copied())
+        .collect();
+    match dest {
+        Side::Local => pairs.sort_unstable_by_key(|&(l, r)| (r, l)),
+        Side::Remote => pairs.sort_unstable(),
+    }
+
+    let n = pairs.len() * local.regions.len();
+    let mut plan = TransferPlan {
+        local_indices: Vec::with_capacity(n),
+        remote_indices: Vec::with_capacity(n),
+        bytes: 0,
+        blocks: pairs.len(),
+        descriptors: 0,
+    };
+    for (r, region) in local.regions.iter().enumerate() {
+        let mut prev: Option<(usize, usize)> = None;
+        for &(l, rm) in &pairs {
+            plan.local_indices.push(local.index(r, l));
+            plan.remote_indices.push(remote.index(r, rm));
+            plan.bytes += region.block_bytes as u64;
+            let merges = prev.is_some_and(|(pl, pr)| l == pl + 1 && rm == pr + 1);
+            if !merges {
+                plan.descriptors += 1;
+            }
+            prev = Some((l, rm));
+        }
+    }
+    Ok(plan)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn table(num_regions: usize, num_blocks: usize, block_bytes: usize) -> DescTable {
+        DescTable::new(
+            (0..num_regions)
+                .map(|i| RegionGeometry {
+                    addr: 0x10000 * (i + 1),
+                    len: num_blocks * block_bytes,
+                    block_bytes,
+                    num_blocks,
+                })
+                .collect(),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn indices_address_each_region_and_block() {
+        let t = table(3, 4, 16);
+        assert_eq!(t.len(), 12);
+        let d: Vec<_> = t.descriptors().collect();
+        assert_eq!(d[0], (0x10000, 16));
+        assert_eq!(d[5], (0x20000 + 16, 16));
+        assert_eq!(t.index(2, 3), 11);
+    }
+
+    #[test]
+    fn consecutive_runs_count_as_one_descriptor_per_region() {
+        let local = table(4, 8, 16);
+        let remote = table(4, 10, 16);
+        // Two runs: remote 2,3,4 -> local 5,6,7 and remote 9 -> local 0, given scrambled.
+        let p = plan_transfer(&local, &remote, &[6, 0, 5, 7], &[3, 9, 2, 4], Side::Local).unwrap();
+        assert_eq!(p.blocks, 4);
+        assert_eq!(p.descriptors, 2 * 4);
+        assert_eq!(p.bytes, 4 * 4 * 16);
+        assert_eq!(&p.local_indices[..4], &[5, 6, 7, 0]);
+        assert_eq!(&p.remote_indices[..4], &[2, 3, 4, 9]);
+        assert_eq!(p.local_indices[4], 8 + 5);
+        assert_eq!(p.remote_indices[4], 10 + 2);
+    }
+
+    #[test]
+    fn bad_ids_are_errors() {
+        let local = table(2, 8, 16);
+        let remote = table(2, 4, 16);
+        assert!(matches!(
+            plan_transfer(&local, &remote, &[1], &[1, 2], Side::Local),
+            Err(KvConnectorError::BlockCountMismatch {
+                local: 1,
+                remote: 2
+            })
+        ));
+        assert!(matches!(
+            plan_transfer(&local, &remote, &[1], &[4], Side::Local),
+            Err(KvConnectorError::BlockOutOfRange {
+                side: Side::Remote,
+                block: 4,
+                num_blocks: 4
+            })
+        ));
+        assert!(matches!(
+            plan_transfer(&local, &remote, &[1, 1], &[0, 2], Side::Local),
+            Err(KvConnectorError::DuplicateBlock {
+                side: Side::Local,
+                block: 1
+            })
+        ));
+        // Reading one remote block into two local blocks is fine.
+        plan_transfer(&local, &remote, &[1, 2], &[0, 0], Side::Local).unwrap();
+        assert!(plan_transfer(&local, &table(2, 8, 32), &[1], &[1], Side::Local).is_err());
+    }
+}

@@ -1,0 +1,515 @@
+//! The handshake two instances exchange before any KV moves: who the NIXL agent is, where its KV
+//! memory lives, how blocks are laid out, and whether the two are compatible at all.
+//!
+//! The producer serves its [`NixlHandshake`] (JSON, metadata as base64) on a side channel; a
+//! consumer parses it with [`NixlHandshake::from_json`] and checks it against its own with
+//! [`NixlHandshake::check_compatible`] (which `NixlAgent::add_peer` also does) before it loads the
+//! peer's metadata.
+//!
+//! Invariants: `compat_hash` is a function of exactly (protocol version, model, dtype, block size,
+//! layer count) — [`compat_hash`] — and a handshake whose hash does not match its own fields is
+//! invalid; `layers[i]` describes storage layer `i`, its K and V arrays each covering at least
+//! `num_blocks * block_bytes` bytes, block `b` at `addr + b * block_bytes`.
+
+use serde::{Deserialize, Serialize};
+
+use tandem_kv_cache::{BlockLayout, CacheDtype, LayoutOrder};
+
+use crate::error::KvConnectorError;
+
+/// Version of this handshake and of the transfer protocol behind it; bump on any change of
+/// meaning. Peers with different versions never connect.
+pub const HANDSHAKE_PROTOCOL_VERSION: u32 = 1;
+
+/// One contiguous array (a layer's K or V) of a peer, as its process sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RegionInfo {
+    pub addr: u64,
+    pub len: u64,
+}
+
+/// One layer's cache on one TP rank: its shape and where its K and V arrays live.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LayerInfo {
+    /// The layer's name in the model (e.g. `model.layers.3.self_attn`).
+    pub name: String,
+    pub num_blocks: usize,
+    pub block_size: usize,
+    /// Bytes of one block of the K (or V) array.
+    pub block_bytes: usize,
+    /// KV heads held by this rank.
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    /// Cache dtype name (`f32`, `f16`, `bf16`).
+    pub dtype: String,
+    /// `token_major` or `head_major`, within kernel blocks of `kernel_block_size` tokens.
+    pub order: String,
+    pub kernel_block_size: usize,
+    pub k: RegionInfo,
+    pub v: RegionInfo,
+}
+
+impl LayerInfo {
+    /// Describes a storage layer of `layout` with K at `k` and V at `v`.
+    pub fn new(name: &str, layout: &BlockLayout, k: RegionInfo, v: RegionInfo) -> Self {
+        LayerInfo {
+            name: name.to_string(),
+            num_blocks: layout.num_blocks,
+            block_size: layout.block_size,
+            block_bytes: layout.block_bytes(),
+            num_kv_heads: layout.num_kv_heads,
+            head_dim: layout.head_dim,
+            dtype: layout.dtype.name().to_string(),
+            order: order_name(layout.order).to_string(),
+            kernel_block_size: layout.kernel_block_size,
+            k,
+            v,
+        }
+    }
+}
+
+fn order_name(order: LayoutOrder) -> &'static str {
+    match order {
+        LayoutOrder::TokenMajor => "token_major",
+        LayoutOrder::HeadMajor => "head_major",
+    }
+}
+
+/// What one instance's worker (one TP rank) tells a peer about itself.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NixlHandshake {
+    pub protocol_version: u32,
+    /// The engine (instance) id, as in `kv_transfer_params.remote_engine_id`.
+    pub engine_id: String,
+    /// The NIXL agent's name; notifications from this peer carry it.
+    pub agent_name: String,
+    /// The NIXL agent's metadata (`get_local_md`), base64 in JSON.
+    #[serde(with = "base64_bytes")]
+    pub agent_metadata: Vec<u8>,
+    /// The model's name (what `/v1/models` serves).
+    pub model: String,
+    /// Cache dtype of all layers.
+    pub dtype: String,
+    /// Tokens per block.
+    pub block_size: usize,
+    pub num_layers: usize,
+    pub tp_rank: usize,
+    pub tp_size: usize,
+    pub layers: Vec<LayerInfo>,
+    /// [`compat_hash`] of this handshake's fields, as `0x` and 16 hex digits.
+    pub compat_hash: String,
+}
+
+/// Why a peer's handshake does not match ours.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HandshakeMismatch {
+    #[error("protocol version {theirs} (ours is {ours})")]
+    ProtocolVersion { ours: u32, theirs: u32 },
+    #[error("different model: {theirs:?} (ours is {ours:?})")]
+    Model { ours: String, theirs: String },
+    #[error("different KV cache dtype: {theirs} (ours is {ours})")]
+    Dtype { ours: String, theirs: String },
+    #[error("different block size: {theirs} tokens (ours is {ours})")]
+    BlockSize { ours: usize, theirs: usize },
+    #[error("different layer count: {theirs} (ours is {ours})")]
+    LayerCount { ours: usize, theirs: usize },
+    #[error("different TP size: {theirs} (ours is {ours}); heterogeneous TP is not supported")]
+    TpSize { ours: usize, theirs: usize },
+    #[error("peer is TP rank {theirs}, we are rank {ours}: ranks pair one to one")]
+    TpRank { ours: usize, theirs: usize },
+    #[error("layer {layer}: different {field}: {theirs} (ours is {ours})")]
+    Layout {
+        layer: usize,
+        field: &'static str,
+        ours: String,
+        theirs: String,
+    },
+    #[error("compatibility hash {theirs} (ours is {ours})")]
+    CompatHash { ours: String, theirs: String },
+}
+
+/// The compatibility hash: xxh3-64 of the protocol version, model, dtype, block size and layer
+/// count. Two instances can exchange KV only if their hashes are equal.
+pub fn compat_hash(model: &str, dtype: &str, block_size: usize, num_layers: usize) -> u64 {
+    let canon = format!(
+        "tandem-kv-transfer/v{HANDSHAKE_PROTOCOL_VERSION}\nmodel={model}\ndtype={dtype}\n\
+         block_size={block_size}\nnum_layers={num_layers}"
+    );
+    xxhash_rust::xxh3::xxh3_64(canon.as_bytes())
+}
+
+fn hash_string(h: u64) -> String {
+    format!("0x{h:016x}")
+}
+
+impl NixlHandshake {
+    /// Builds a handshake; `dtype`, `block_size` and `num_layers` are taken from `layers`
+    /// (layer 0 for the first two), and the hash is computed.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        engine_id: &str,
+        agent_name: &str,
+        agent_metadata: Vec<u8>,
+        model: &str,
+        tp_rank: usize,
+        tp_size: usize,
+        layers: Vec<LayerInfo>,
+    ) -> Self {
+        let dtype = layers.first().map(|l| l.dtype.clone()).unwrap_or_default();
+        let block_size = layers.first().map(|l| l.block_size).unwrap_or(0);
+        let num_layers = layers.len();
+        NixlHandshake {
+            protocol_version: HANDSHAKE_PROTOCOL_VERSION,
+            engine_id: engine_id.to_string(),
+            agent_name: agent_name.to_string(),
+            agent_metadata,
+            model: model.to_string(),
+            compat_hash: hash_string(compat_hash(model, &dtype, block_size, num_layers)),
+            dtype,
+            block_size,
+            num_layers,
+            tp_rank,
+            tp_size,
+            layers,
+        }
+    }
+
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(self).expect("a handshake always serializes")
+    }
+
+    /// Parses and [validates](Self::validate) a handshake.
+    pub fn from_json(s: &str) -> Result<Self, KvConnectorError> {
+        let hs: NixlHandshake = serde_json::from_str(s)
+            .map_err(|e| KvConnectorError::InvalidHandshake(format!("not a handshake: {e}")))?;
+        hs.validate()?;
+        Ok(hs)
+    }
+
+    /// Checks the handshake on its own: its hash matches its fields, and every layer is a
+    /// well-formed description of memory (non-zero sizes, arrays large enough for every block).
+    pub fn validate(&self) -> Result<(), KvConnectorError> {
+        let bad = |m: String| Err(KvConnectorError::InvalidHandshake(m));
+        if self.protocol_version != HANDSHAKE_PROTOCOL_VERSION {
+            // Fields may mean something else; only the version itself is trusted.
+            return Ok(());
+        }
+        let want = hash_string(compat_hash(
+            &self.model,
+            &self.dtype,
+            self.block_size,
+            self.num_layers,
+        ));
+        if self.compat_hash != want {
+            return bad(format!(
+                "compat_hash {} does not match its own fields (expected {want})",
+                self.compat_hash
+            ));
+        }
+        if self.agent_name.is_empty() || self.agent_metadata.is_empty() {
+            return bad("empty agent name or metadata".into());
+        }
+        if self.tp_size == 0 || self.tp_rank >= self.tp_size {
+            return bad(format!("TP rank {} of size {}", self.tp_rank, self.tp_size));
+        }
+        if self.layers.len() != self.num_layers || self.num_layers == 0 {
+            return bad(format!(
+                "num_layers {} but {} layer descriptions",
+                self.num_layers,
+                self.layers.len()
+            ));
+        }
+        for (i, l) in self.layers.iter().enumerate() {
+            if l.num_blocks == 0 || l.block_bytes == 0 || l.block_size == 0 {
+                return bad(format!("layer {i}: zero blocks or zero-sized blocks"));
+            }
+            let Some(dtype) = CacheDtype::parse(&l.dtype) else {
+                return bad(format!("layer {i}: unknown dtype {:?}", l.dtype));
+            };
+            if l.block_bytes != l.block_size * l.num_kv_heads * l.head_dim * dtype.size() {
+                return bad(format!(
+                    "layer {i}: block_bytes {} is not block_size x heads x head_dim x dtype size",
+                    l.block_bytes
+                ));
+            }
+            let need = (l.num_blocks as u64).checked_mul(l.block_bytes as u64);
+            for (part, r) in [("K", l.k), ("V", l.v)] {
+                if need.is_none_or(|n| r.len < n) || r.addr.checked_add(r.len).is_none() {
+                    return bad(format!(
+                        "layer {i} {part}: region of {} bytes cannot hold {} blocks of {} bytes",
+                        r.len, l.num_blocks, l.block_bytes
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks that a peer's handshake is compatible with ours (`self`): same protocol version,
+    /// model, dtype, block size, layer count, TP size and rank, and per layer the same block
+    /// shape. The first difference is the error. The peer's handshake is validated too.
+    pub fn check_compatible(&self, peer: &NixlHandshake) -> Result<(), KvConnectorError> {
+        let fail = |mismatch| {
+            Err(KvConnectorError::IncompatiblePeer {
+                engine_id: peer.engine_id.clone(),
+                mismatch,
+            })
+        };
+        if peer.protocol_version != self.protocol_version {
+            return fail(HandshakeMismatch::ProtocolVersion {
+                ours: self.protocol_version,
+                theirs: peer.protocol_version,
+            });
+        }
+        peer.validate()?;
+        if peer.model != self.model {
+            return fail(HandshakeMismatch::Model {
+                ours: self.model.clone(),
+                theirs: peer.model.clone(),
+            });
+        }
+        if peer.dtype != self.dtype {
+            return fail(HandshakeMismatch::Dtype {
+                ours: self.dtype.clone(),
+                theirs: peer.dtype.clone(),
+            });
+        }
+        if peer.block_size != self.block_size {
+            return fail(HandshakeMismatch::BlockSize {
+                ours: self.block_size,
+                theirs: peer.block_size,
+            });
+        }
+        if peer.num_layers != self.num_layers {
+            return fail(HandshakeMismatch::LayerCount {
+                ours: self.num_layers,
+                theirs: peer.num_layers,
+            });
+        }
+        if peer.compat_hash != self.compat_hash {
+            return fail(HandshakeMismatch::CompatHash {
+                ours: self.compat_hash.clone(),
+                theirs: peer.compat_hash.clone(),
+            });
+        }
+        if peer.tp_size != self.tp_size {
+            return fail(HandshakeMismatch::TpSize {
+                ours: self.tp_size,
+                theirs: peer.tp_size,
+            });
+        }
+        if peer.tp_rank != self.tp_rank {
+            return fail(HandshakeMismatch::TpRank {
+                ours: self.tp_rank,
+                theirs: peer.tp_rank,
+            });
+        }
+        for (i, (ours, theirs)) in self.layers.iter().zip(&peer.layers).enumerate() {
+            let fields: [(&'static str, String, String); 7] = [
+                (
+                    "block_size",
+                    ours.block_size.to_string(),
+                    theirs.block_size.to_string(),
+                ),
+                (
+                    "block_bytes",
+                    ours.block_bytes.to_string(),
+                    theirs.block_bytes.to_string(),
+                ),
+                (
+                    "num_kv_heads",
+                    ours.num_kv_heads.to_string(),
+                    theirs.num_kv_heads.to_string(),
+                ),
+                (
+                    "head_dim",
+                    ours.head_dim.to_string(),
+                    theirs.head_dim.to_string(),
+                ),
+                ("dtype", ours.dtype.clone(), theirs.dtype.clone()),
+                ("order", ours.order.clone(), theirs.order.clone()),
+                (
+                    "kernel_block_size",
+                    ours.kernel_block_size.to_string(),
+                    theirs.kernel_block_size.to_string(),
+                ),
+            ];
+            for (field, o, t) in fields {
+                if o != t {
+                    return fail(HandshakeMismatch::Layout {
+                        layer: i,
+                        field,
+                        ours: o,
+                        theirs: t,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Serde adapter: `Vec<u8>` as a standard base64 string.
+mod base64_bytes {
+    use base64::engine::general_purpose::STANDARD;
+    use base64::Engine;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(bytes: &[u8], s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&STANDARD.encode(bytes))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
+        let s = String::deserialize(d)?;
+        STANDARD
+            .decode(s.as_bytes())
+            .map_err(serde::de::Error::custom)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layer(i: usize, dtype: CacheDtype) -> LayerInfo {
+        let layout = BlockLayout::token_major(8, 16, 3, 64, dtype);
+        let len = layout.total_bytes() as u64;
+        let base = 0x1000_0000 + (i as u64) * 2 * len;
+        LayerInfo::new(
+            &format!("model.layers.{i}.self_attn"),
+            &layout,
+            RegionInfo { addr: base, len },
+            RegionInfo {
+                addr: base + len,
+                len,
+            },
+        )
+    }
+
+    fn hs(model: &str, dtype: CacheDtype, layers: usize) -> NixlHandshake {
+        NixlHandshake::new(
+            "engine-a",
+            "agent-a",
+            vec![1, 2, 3, 0, 255],
+            model,
+            0,
+            1,
+            (0..layers).map(|i| layer(i, dtype)).collect(),
+        )
+    }
+
+    #[test]
+    fn json_round_trip_keeps_binary_metadata() {
+        let a = hs("smollm2-135m", CacheDtype::F32, 2);
+        let json = a.to_json();
+        assert!(json.contains("\"agent_metadata\":\"AQIDAP8=\""), "{json}");
+        assert_eq!(NixlHandshake::from_json(&json).unwrap(), a);
+    }
+
+    #[test]
+    fn each_incompatibility_has_its_own_error() {
+        let ours = hs("smollm2-135m", CacheDtype::F32, 2);
+        ours.check_compatible(&ours.clone()).unwrap();
+        let mismatch = |peer: &NixlHandshake| match ours.check_compatible(peer) {
+            Err(KvConnectorError::IncompatiblePeer { mismatch, .. }) => mismatch,
+            other => panic!("expected a mismatch, got {other:?}"),
+        };
+        assert!(matches!(
+            mismatch(&hs("llama-3-8b", CacheDtype::F32, 2)),
+            HandshakeMismatch::Model { .. }
+        ));
+        assert!(matches!(
+            mismatch(&hs("smollm2-135m", CacheDtype::Bf16, 2)),
+            HandshakeMismatch::Dtype { .. }
+        ));
+        assert!(matches!(
+            mismatch(&hs("smollm2-135m", CacheDtype::F32, 3)),
+            HandshakeMismatch::LayerCount { ours: 2, theirs: 3 }
+        ));
+        let mut peer = ours.clone();
+        peer.protocol_version = 99;
+        assert!(matches!(
+            mismatch(&peer),
+            HandshakeMismatch::ProtocolVersion {
+                ours: 1,
+                theirs: 99
+            }
+        ));
+        let mut peer = ours.clone();
+        peer.tp_size = 2;
+        peer.tp_rank = 1;
+        assert!(matches!(mismatch(&peer), HandshakeMismatch::TpSize { .. }));
+        let mut peer = ours.clone();
+        peer.layers[1].num_kv_heads = 1;
+        peer.layers[1].block_bytes = 16 * 64 * 4;
+        let m = mismatch(&peer);
+        assert!(
+            matches!(
+                m,
+                HandshakeMismatch::Layout {
+                    layer: 1,
+                    field: "block_bytes",
+                    ..
+                }
+            ),
+            "{m}"
+        );
+        // Block size: rebuilt from layers with another block size, so the hash is consistent.
+        let l16 = BlockLayout::token_major(8, 32, 3, 64, CacheDtype::F32);
+        let mut peer = ours.clone();
+        for l in &mut peer.layers {
+            *l = LayerInfo::new(&l.name, &l16, l.k, l.v);
+            l.k.len *= 2;
+            l.v.len *= 2;
+        }
+        let peer = NixlHandshake::new(
+            "engine-b",
+            "agent-b",
+            vec![1],
+            &peer.model,
+            0,
+            1,
+            peer.layers,
+        );
+        let m = mismatch(&peer);
+        assert!(
+            matches!(
+                m,
+                HandshakeMismatch::BlockSize {
+                    ours: 16,
+                    theirs: 32
+                }
+            ),
+            "{m}"
+        );
+        assert!(ours
+            .check_compatible(&peer)
+            .unwrap_err()
+            .to_string()
+            .contains("different block size: 32 tokens (ours is 16)"));
+    }
+
+    #[test]
+    fn a_forged_or_inconsistent_handshake_is_invalid() {
+        let ours = hs("smollm2-135m", CacheDtype::F32, 2);
+        let mut peer = ours.clone();
+        peer.model = "other".into(); // hash no longer matches its fields
+        assert!(matches!(
+            ours.check_compatible(&peer),
+            Err(KvConnectorError::InvalidHandshake(_))
+        ));
+        let mut peer = ours.clone();
+        peer.layers[0].k.len = 10;
+        assert!(matches!(
+            peer.validate(),
+            Err(KvConnectorError::InvalidHandshake(_))
+        ));
+        let mut peer = ours.clone();
+        peer.layers[0].k.addr = u64::MAX - 4;
+        assert!(peer.validate().is_err());
+        assert!(NixlHandshake::from_json("{\"protocol_version\":1}").is_err());
+        assert!(
+            NixlHandshake::from_json(&ours.to_json().replace("AQIDAP8=", "not base64!")).is_err()
+        );
+    }
+}

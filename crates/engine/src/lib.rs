@@ -1,1 +1,31 @@
-//! placeholder
+//! The engine: requests, the scheduler and its hooks, workers, sampling, the step loop.
+//!
+//! - [`request`]: a request's tokens, progress and state machine.
+//! - [`sampling`]: sampling parameters, validation and the sampler.
+//! - [`detokenizer`]: incremental text and stop strings.
+//! - [`scheduler`]: continuous batching over the paged KV cache, chunked prefill, preemption,
+//!   and the connector hooks (remote KV, delayed free).
+//! - [`scheduler_output`]: what a step asks of workers and what they answer.
+//! - [`worker`]: the worker interface and the model worker.
+//! - [`core`]: the engine thread and its handle.
+//! - [`metrics`]: every metric name.
+
+pub mod core;
+pub mod detokenizer;
+pub mod error;
+pub mod metrics;
+pub mod output;
+pub mod request;
+pub mod sampling;
+pub mod scheduler;
+pub mod scheduler_output;
+pub mod worker;
+
+pub use crate::core::{EngineHandle, RequestStream, RequestValidator};
+pub use detokenizer::Detokenize;
+pub use error::EngineError;
+pub use output::RequestEvent;
+pub use request::{FinishReason, NewRequest, RequestStatus};
+pub use sampling::{SamplingParams, TokenLogprob};
+pub use scheduler::{KvLoadFailurePolicy, Scheduler, SchedulerConfig, SchedulerStats};
+pub use worker::Worker;

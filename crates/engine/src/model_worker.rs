@@ -1,0 +1,108 @@
+//! The model worker: runs the model over the paged KV cache on this process.
+//!
+//! It owns each request's sampler (created when the request is first scheduled, dropped when the
+//! scheduler reports it finished) and drives the connector's worker side around the forward pass:
+//! transfers start before the forward, finished ones are collected after it.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use tandem_kv_cache::KvStorage;
+use tandem_kv_connector::base::KvConnectorWorker;
+use tandem_models::{CausalLm, ForwardBatch, SeqBatch};
+
+use crate::error::EngineError;
+use crate::sampling::Sampler;
+use crate::scheduler_output::{SampledToken, SchedulerOutput, WorkerOutput};
+use crate::worker::{FlatBatch, Worker};
+
+/// Runs the model on this process.
+pub struct ModelWorker {
+    model: Arc<dyn CausalLm>,
+    kv: Arc<KvStorage>,
+    block_size: usize,
+    samplers: HashMap<u64, Sampler>,
+    connector: Box<dyn KvConnectorWorker>,
+}
+
+impl ModelWorker {
+    pub fn new(
+        model: Arc<dyn CausalLm>,
+        kv: Arc<KvStorage>,
+        block_size: usize,
+        mut connector: Box<dyn KvConnectorWorker>,
+    ) -> Result<Self, EngineError> {
+        connector
+            .register_kv_caches(kv.clone())
+            .map_err(|e| EngineError::Execution(format!("registering KV caches: {e}")))?;
+        Ok(ModelWorker {
+            model,
+            kv,
+            block_size,
+            samplers: HashMap::new(),
+            connector,
+        })
+    }
+}
+
+impl Worker for ModelWorker {
+    fn execute(&mut self, step: &SchedulerOutput) -> Result<WorkerOutput, EngineError> {
+        for id in &step.finished_request_ids {
+            self.samplers.remove(id);
+        }
+        self.connector
+            .start_load_kv(&step.connector_metadata)
+            .map_err(|e| EngineError::Execution(format!("starting KV transfers: {e}")))?;
+        let mut out = WorkerOutput::default();
+        if step.has_model_work() {
+            for s in &step.scheduled {
+                if let Some(p) = &s.sampling {
+                    self.samplers.insert(s.request_id, Sampler::new(p.clone()));
+                }
+            }
+            let flat = FlatBatch::build(step, self.block_size);
+            let tables: Vec<&[u32]> = step
+                .scheduled
+                .iter()
+                .map(|s| s.block_table.as_slice())
+                .collect();
+            let seqs: Vec<SeqBatch<'_>> = flat
+                .seqs
+                .iter()
+                .zip(&tables)
+                .map(|(&(query_start, query_len, context_len), table)| SeqBatch {
+                    query_start,
+                    query_len,
+                    context_len,
+                    block_table: table,
+                })
+                .collect();
+            let batch = ForwardBatch {
+                token_ids: &flat.token_ids,
+                positions: &flat.positions,
+                slot_mapping: &flat.slot_mapping,
+                seqs: &seqs,
+                logits_indices: &flat.logits_indices,
+            };
+            let logits = self
+                .model
+                .forward(&batch, &self.kv)
+                .map_err(|e| EngineError::Execution(e.to_string()))?;
+            let vocab = self.model.info().vocab_size;
+            for (row, &id) in flat.sampled_requests.iter().enumerate() {
+                let sampler = self
+                    .samplers
+                    .get_mut(&id)
+                    .ok_or_else(|| EngineError::Execution(format!("no sampler for request {id}")))?;
+                let (token_id, logprob) = sampler.sample(&logits[row * vocab..(row + 1) * vocab]);
+                out.sampled.push(SampledToken {
+                    request_id: id,
+                    token_id,
+                    logprob,
+                });
+            }
+        }
+        out.connector_output = self.connector.get_finished();
+        Ok(out)
+    }
+}

@@ -1,0 +1,661 @@
+//! The scheduler: which requests run this step, with how many tokens, in which blocks.
+//!
+//! Policy (vLLM v1's, in a few lines): running requests first, in arrival order, each with as many
+//! tokens as it has not computed yet (1 when decoding, a chunk of the prompt when prefilling),
+//! within the step's token budget; when blocks run out, the most recently admitted running request
+//! is preempted (its blocks freed, recomputed later). Waiting requests are admitted only in steps
+//! without preemption, in arrival order, after a prefix-cache lookup and the connector's answer
+//! about remote tokens.
+//!
+//! Invariants (checked by the lifecycle tests): every request is in exactly one of `waiting`,
+//! `running`, `remote_waiting`, or (finished, blocks held for the connector) `delayed_free`;
+//! once all requests are finished and released, no block is held.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::Arc;
+use std::time::Instant;
+
+use tandem_kv_cache::{CachedPrefix, KvCacheManager};
+use tandem_kv_connector::base::{
+    ConnectorOutput, ConnectorRequest, FinishKind, KvConnectorScheduler,
+};
+
+use crate::detokenizer::Detokenize;
+use crate::error::EngineError;
+use crate::metrics as m;
+use crate::output::RequestEvent;
+use crate::request::{FinishReason, NewRequest, Request, RequestStatus};
+use crate::scheduler_output::{ScheduledRequest, SchedulerOutput, WorkerOutput};
+
+/// What happens to a request whose KV load failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KvLoadFailurePolicy {
+    /// End the request with an error.
+    Fail,
+    /// Prefill the prompt locally.
+    #[default]
+    Recompute,
+}
+
+impl KvLoadFailurePolicy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KvLoadFailurePolicy::Fail => "fail",
+            KvLoadFailurePolicy::Recompute => "recompute",
+        }
+    }
+}
+
+/// Limits of a step.
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    pub max_num_batched_tokens: usize,
+    pub max_num_seqs: usize,
+    pub max_model_len: usize,
+    pub enable_chunked_prefill: bool,
+    /// Most prompt tokens of one request per step (0: no limit beyond the budget).
+    pub long_prefill_token_threshold: usize,
+    pub kv_load_failure_policy: KvLoadFailurePolicy,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        SchedulerConfig {
+            max_num_batched_tokens: 2048,
+            max_num_seqs: 64,
+            max_model_len: 2048,
+            enable_chunked_prefill: true,
+            long_prefill_token_threshold: 0,
+            kv_load_failure_policy: KvLoadFailurePolicy::Recompute,
+        }
+    }
+}
+
+/// Counts of requests by state.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SchedulerStats {
+    pub running: usize,
+    pub waiting: usize,
+    pub waiting_for_remote_kv: usize,
+    pub delayed_free: usize,
+    pub free_blocks: usize,
+    pub total_blocks: usize,
+    /// Preemptions since start.
+    pub preemptions: u64,
+}
+
+/// Schedules requests over one KV cache. See the module docs.
+pub struct Scheduler {
+    config: SchedulerConfig,
+    kv: KvCacheManager,
+    connector: Box<dyn KvConnectorScheduler>,
+    tokenizer: Arc<dyn Detokenize>,
+    eos_token_ids: Vec<u32>,
+    requests: HashMap<u64, Request>,
+    waiting: VecDeque<u64>,
+    running: Vec<u64>,
+    remote_waiting: HashSet<u64>,
+    delayed_free: HashSet<u64>,
+    finished_since_last_step: Vec<u64>,
+    step: u64,
+    reported_prefix_stats: (u64, u64),
+    preemptions: u64,
+}
+
+impl Scheduler {
+    pub fn new(
+        config: SchedulerConfig,
+        kv: KvCacheManager,
+        connector: Box<dyn KvConnectorScheduler>,
+        tokenizer: Arc<dyn Detokenize>,
+        eos_token_ids: Vec<u32>,
+    ) -> Self {
+        metrics::gauge!(m::KV_CACHE_TOTAL_BLOCKS).set(kv.num_blocks() as f64);
+        Scheduler {
+            config,
+            kv,
+            connector,
+            tokenizer,
+            eos_token_ids,
+            requests: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            remote_waiting: HashSet::new(),
+            delayed_free: HashSet::new(),
+            finished_since_last_step: Vec::new(),
+            step: 0,
+            reported_prefix_stats: (0, 0),
+            preemptions: 0,
+        }
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+    pub fn kv(&self) -> &KvCacheManager {
+        &self.kv
+    }
+
+    pub fn stats(&self) -> SchedulerStats {
+        SchedulerStats {
+            running: self.running.len(),
+            waiting: self.waiting.len(),
+            waiting_for_remote_kv: self.remote_waiting.len(),
+            delayed_free: self.delayed_free.len(),
+            free_blocks: self.kv.num_free_blocks(),
+            total_blocks: self.kv.num_blocks(),
+            preemptions: self.preemptions,
+        }
+    }
+
+    /// Requests the scheduler still tracks (unfinished, or finished with held blocks).
+    pub fn num_unfinished(&self) -> usize {
+        self.requests.len() + self.delayed_free.len()
+    }
+
+    /// Whether a step would have anything to do.
+    pub fn has_work(&self) -> bool {
+        !self.running.is_empty() || !self.waiting.is_empty()
+    }
+    /// Whether requests wait for something outside the step loop (remote KV, lease holders).
+    pub fn has_pending_transfers(&self) -> bool {
+        !self.remote_waiting.is_empty() || !self.delayed_free.is_empty()
+    }
+
+    /// Checks a new request against the model and cache limits.
+    pub fn validate(&self, new: &NewRequest) -> Result<(), EngineError> {
+        let prompt = new.prompt_token_ids.len();
+        if prompt == 0 {
+            return Err(EngineError::InvalidParam {
+                param: "prompt".into(),
+                message: "the prompt must contain at least one token".into(),
+            });
+        }
+        let requested = prompt + new.params.max_tokens;
+        if requested > self.config.max_model_len {
+            return Err(EngineError::ContextLengthExceeded {
+                max_model_len: self.config.max_model_len,
+                requested,
+                prompt,
+                max_tokens: new.params.max_tokens,
+            });
+        }
+        let needed = self.kv.blocks_for(requested);
+        if needed > self.kv.num_blocks() {
+            return Err(EngineError::TooLargeForCache {
+                needed,
+                available: self.kv.num_blocks(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Queues a request (validated by the caller with [`Self::validate`]).
+    pub fn add_request(&mut self, request: Request) {
+        let id = request.id;
+        self.requests.insert(id, request);
+        self.waiting.push_back(id);
+    }
+
+    /// Ends a request at the client's wish; a no-op for unknown or finished requests.
+    pub fn abort_request(&mut self, id: u64) {
+        if self.requests.contains_key(&id) {
+            self.finish_request(id, FinishReason::Abort, None);
+        }
+    }
+
+    fn connector_view(req: &Request) -> ConnectorRequest<'_> {
+        ConnectorRequest {
+            request_id: req.id,
+            external_id: &req.external_id,
+            prompt_token_ids: req.prompt_token_ids(),
+            kv_transfer_params: req.kv_transfer_params.as_ref(),
+        }
+    }
+
+    fn preempt(&mut self, id: u64) {
+        self.kv.free(id);
+        let req = self.requests.get_mut(&id).expect("running request exists");
+        req.status = RequestStatus::Preempted;
+        req.num_computed_tokens = 0;
+        req.num_preemptions += 1;
+        self.preemptions += 1;
+        self.waiting.push_front(id);
+        metrics::counter!(m::NUM_PREEMPTIONS_TOTAL).increment(1);
+        tracing::debug!(request = id, "preempted for lack of KV blocks");
+    }
+
+    fn tokens_this_step(&self, req: &Request, budget: usize) -> usize {
+        let mut n = req.num_tokens() - req.num_computed_tokens;
+        if self.config.long_prefill_token_threshold > 0 {
+            n = n.min(self.config.long_prefill_token_threshold);
+        }
+        n.min(budget)
+    }
+
+    fn scheduled_request(&mut self, id: u64, num_new: usize) -> ScheduledRequest {
+        let table = self.kv.block_table(id).to_vec();
+        let req = self
+            .requests
+            .get_mut(&id)
+            .expect("scheduled request exists");
+        let start = req.num_computed_tokens;
+        let sampling = (!req.sent_to_worker).then(|| req.params.clone());
+        req.sent_to_worker = true;
+        ScheduledRequest {
+            request_id: id,
+            sampling,
+            token_ids: req.all_token_ids[start..start + num_new].to_vec(),
+            start_position: start,
+            block_table: table,
+            sample: start + num_new == req.num_tokens(),
+        }
+    }
+
+    /// Decides the next step.
+    pub fn schedule(&mut self) -> SchedulerOutput {
+        self.step += 1;
+        let mut budget = self.config.max_num_batched_tokens;
+        let mut scheduled: Vec<(u64, usize)> = Vec::new();
+        let mut preempted = false;
+
+        // Running requests, oldest first.
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let id = self.running[i];
+            let req = &self.requests[&id];
+            let num_new = self.tokens_this_step(req, budget);
+            if num_new == 0 {
+                i += 1;
+                continue;
+            }
+            let target = req.num_computed_tokens + num_new;
+            let mut admitted = true;
+            while self.kv.allocate(id, target, None).is_none() {
+                let victim = *self.running.last().expect("running is not empty");
+                self.running.pop();
+                self.preempt(victim);
+                preempted = true;
+                if victim == id {
+                    admitted = false;
+                    break;
+                }
+            }
+            if !admitted {
+                break;
+            }
+            scheduled.push((id, num_new));
+            budget -= num_new;
+            i += 1;
+        }
+
+        // Waiting requests, in order, unless this step had to preempt.
+        while !preempted && budget > 0 && self.running.len() < self.config.max_num_seqs {
+            let Some(&id) = self.waiting.front() else {
+                break;
+            };
+            let req = &self.requests[&id];
+            // A request holds blocks here only after its remote load completed.
+            let fresh = self.kv.block_table(id).is_empty();
+            let prefix = if fresh {
+                self.kv.find_cached_prefix(&req.all_token_ids, &[])
+            } else {
+                CachedPrefix::default()
+            };
+            let local_computed = if fresh {
+                prefix.num_tokens
+            } else {
+                req.num_computed_tokens
+            };
+            // The connector is asked once per request, before its first blocks; a preempted
+            // request recomputes locally (its remote KV source is gone).
+            let ask_connector = fresh && req.status == RequestStatus::Waiting;
+            let matched = if !ask_connector {
+                Default::default()
+            } else {
+                match self
+                    .connector
+                    .get_num_new_matched_tokens(&Self::connector_view(req), local_computed)
+                {
+                    Ok(m) => m,
+                    Err(e) => {
+                        self.waiting.pop_front();
+                        let err = EngineError::InvalidTransferParams(e.to_string());
+                        self.finish_request(id, FinishReason::Error, Some(err));
+                        continue;
+                    }
+                }
+            };
+            if matched.load_async {
+                let total = local_computed + matched.num_external_tokens;
+                if self.kv.allocate(id, total, Some(&prefix)).is_none() {
+                    break;
+                }
+                let req = self.requests.get_mut(&id).expect("waiting request exists");
+                req.num_computed_tokens = local_computed;
+                req.num_cached_tokens = Some(prefix.num_tokens);
+                req.num_external_tokens = matched.num_external_tokens;
+                req.status = RequestStatus::WaitingForRemoteKv;
+                let table = self.kv.block_table(id).to_vec();
+                self.connector.update_state_after_alloc(
+                    &Self::connector_view(req),
+                    &table,
+                    matched.num_external_tokens,
+                );
+                self.waiting.pop_front();
+                self.remote_waiting.insert(id);
+                continue;
+            }
+            let req = &self.requests[&id];
+            let remaining = req.num_tokens() - local_computed;
+            if !self.config.enable_chunked_prefill && remaining > budget {
+                break;
+            }
+            let mut num_new = remaining.min(budget);
+            if self.config.long_prefill_token_threshold > 0 {
+                num_new = num_new.min(self.config.long_prefill_token_threshold);
+            }
+            if self
+                .kv
+                .allocate(id, local_computed + num_new, Some(&prefix))
+                .is_none()
+            {
+                break;
+            }
+            let req = self.requests.get_mut(&id).expect("waiting request exists");
+            req.num_computed_tokens = local_computed;
+            if req.num_cached_tokens.is_none() {
+                req.num_cached_tokens = Some(prefix.num_tokens);
+            }
+            req.status = RequestStatus::Running;
+            let table = self.kv.block_table(id).to_vec();
+            self.connector
+                .update_state_after_alloc(&Self::connector_view(req), &table, 0);
+            self.waiting.pop_front();
+            self.running.push(id);
+            scheduled.push((id, num_new));
+            budget -= num_new;
+        }
+
+        let scheduled = scheduled
+            .into_iter()
+            .map(|(id, n)| self.scheduled_request(id, n))
+            .collect();
+        self.publish_gauges();
+        SchedulerOutput {
+            step: self.step,
+            scheduled,
+            finished_request_ids: std::mem::take(&mut self.finished_since_last_step),
+            connector_metadata: self.connector.build_connector_meta(),
+            checksum_work: Default::default(),
+        }
+    }
+
+    /// Applies a step's results: advance computed tokens, append sampled tokens, stop, stream.
+    pub fn update_from_output(&mut self, out: &SchedulerOutput, worker: WorkerOutput) {
+        let now = Instant::now();
+        let mut sampled: HashMap<u64, _> = worker
+            .sampled
+            .into_iter()
+            .map(|s| (s.request_id, s))
+            .collect();
+        let mut prompt_tokens = 0u64;
+        for s in &out.scheduled {
+            let id = s.request_id;
+            let Some(req) = self.requests.get_mut(&id) else {
+                continue; // aborted during the step
+            };
+            if req.status != RequestStatus::Running {
+                continue;
+            }
+            req.num_computed_tokens += s.token_ids.len();
+            let computed = req.num_computed_tokens;
+            prompt_tokens += s
+                .token_ids
+                .len()
+                .min(req.num_prompt_tokens.saturating_sub(s.start_position))
+                as u64;
+            self.kv
+                .cache_full_blocks(id, &req.all_token_ids, computed, &[]);
+            if !s.sample {
+                continue;
+            }
+            let Some(tok) = sampled.remove(&id) else {
+                continue;
+            };
+            self.append_token(id, tok.token_id, tok.logprob, now);
+        }
+        metrics::counter!(m::PROMPT_TOKENS_TOTAL).increment(prompt_tokens);
+        self.handle_connector_output(worker.connector_output);
+        self.publish_gauges();
+    }
+
+    fn append_token(
+        &mut self,
+        id: u64,
+        token: u32,
+        logprob: Option<crate::sampling::TokenLogprob>,
+        now: Instant,
+    ) {
+        let eos = &self.eos_token_ids;
+        let max_model_len = self.config.max_model_len;
+        let req = self.requests.get_mut(&id).expect("request exists");
+        req.all_token_ids.push(token);
+        metrics::counter!(m::GENERATION_TOKENS_TOTAL).increment(1);
+        match req.last_token_at {
+            None => {
+                metrics::histogram!(m::TIME_TO_FIRST_TOKEN_SECONDS)
+                    .record((now - req.arrival).as_secs_f64());
+                req.first_token_at = Some(now);
+            }
+            Some(t) => {
+                metrics::histogram!(m::INTER_TOKEN_LATENCY_SECONDS).record((now - t).as_secs_f64())
+            }
+        }
+        req.last_token_at = Some(now);
+        let n_out = req.num_output_tokens();
+        let p = &req.params;
+        let mut finish = None;
+        if n_out >= p.min_tokens
+            && ((!p.ignore_eos && eos.contains(&token)) || p.stop_token_ids.contains(&token))
+        {
+            finish = Some(FinishReason::Stop);
+        } else if n_out >= p.max_tokens || req.num_tokens() >= max_model_len {
+            finish = Some(FinishReason::Length);
+        }
+        let delta = req.detokenizer.step(
+            self.tokenizer.as_ref(),
+            &req.all_token_ids,
+            finish.is_some(),
+        );
+        let mut stop_reason = None;
+        if delta.stopped_by.is_some() && n_out >= p.min_tokens {
+            finish = Some(FinishReason::Stop);
+            stop_reason = delta.stopped_by;
+        }
+        let event = RequestEvent {
+            token_ids: vec![token],
+            text: delta.text,
+            logprobs: logprob.into_iter().collect(),
+            ..Default::default()
+        };
+        match finish {
+            None => {
+                let _ = req.sink.send(event);
+            }
+            Some(reason) => {
+                // The final event carries the last token too.
+                self.finish_with_event(id, reason, None, event, stop_reason);
+            }
+        }
+    }
+
+    fn handle_connector_output(&mut self, output: ConnectorOutput) {
+        self.connector.update_connector_output(&output);
+        let stats = &output.stats;
+        metrics::counter!(m::KV_TRANSFER_BYTES_TOTAL).increment(stats.bytes);
+        metrics::counter!(m::KV_TRANSFER_DESCRIPTORS_TOTAL).increment(stats.descriptors);
+        metrics::counter!(m::KV_TRANSFER_FAILURES_TOTAL).increment(stats.failures);
+        metrics::counter!(m::KV_LEASE_EXPIRED_TOTAL).increment(stats.expired_leases);
+        for s in &stats.seconds {
+            metrics::histogram!(m::KV_TRANSFER_SECONDS).record(*s);
+        }
+        for id in &output.finished_sending {
+            if self.delayed_free.remove(id) {
+                self.kv.free(*id);
+            }
+        }
+        for id in output.finished_recving {
+            if !self.remote_waiting.remove(&id) {
+                continue;
+            }
+            let failure = output.failed_recving.get(&id).cloned();
+            self.finish_remote_load(id, failure, &output.invalid_block_ids);
+        }
+    }
+
+    /// A request's remote load ended: accept its blocks, or apply the failure policy.
+    fn finish_remote_load(
+        &mut self,
+        id: u64,
+        failure: Option<String>,
+        invalid_blocks: &HashSet<tandem_kv_cache::BlockId>,
+    ) {
+        let Some(req) = self.requests.get_mut(&id) else {
+            return;
+        };
+        let table = self.kv.block_table(id).to_vec();
+        let bad = failure.is_some() || table.iter().any(|b| invalid_blocks.contains(b));
+        if !bad {
+            req.num_computed_tokens += req.num_external_tokens;
+            req.status = RequestStatus::Waiting;
+            let computed = req.num_computed_tokens;
+            self.kv
+                .cache_full_blocks(id, &req.all_token_ids, computed, &[]);
+            self.waiting.push_front(id);
+            return;
+        }
+        let policy = self.config.kv_load_failure_policy;
+        let reason = failure.unwrap_or_else(|| "loaded blocks are invalid".into());
+        metrics::counter!(m::KV_LOAD_FAILURES_TOTAL, "policy" => policy.as_str()).increment(1);
+        tracing::warn!(request = %req.external_id, policy = policy.as_str(), "KV load failed: {reason}");
+        match policy {
+            KvLoadFailurePolicy::Fail => {
+                self.kv.uncache_blocks(&table);
+                self.finish_request(
+                    id,
+                    FinishReason::Error,
+                    Some(EngineError::KvLoadFailed(reason)),
+                );
+            }
+            KvLoadFailurePolicy::Recompute => {
+                // Every block is dropped, the remote source forgotten: the next schedule looks
+                // the prompt up in the local prefix cache again and computes the rest.
+                req.num_computed_tokens = 0;
+                req.num_external_tokens = 0;
+                req.kv_transfer_params = None;
+                req.status = RequestStatus::Waiting;
+                self.kv.free(id);
+                self.waiting.push_front(id);
+            }
+        }
+    }
+
+    fn finish_request(&mut self, id: u64, reason: FinishReason, error: Option<EngineError>) {
+        self.finish_with_event(id, reason, error, RequestEvent::default(), None);
+    }
+
+    fn finish_with_event(
+        &mut self,
+        id: u64,
+        reason: FinishReason,
+        error: Option<EngineError>,
+        mut event: RequestEvent,
+        stop_reason: Option<String>,
+    ) {
+        let Some(mut req) = self.requests.remove(&id) else {
+            return;
+        };
+        self.waiting.retain(|&w| w != id);
+        self.running.retain(|&r| r != id);
+        self.remote_waiting.remove(&id);
+        req.status = RequestStatus::Finished(reason);
+        let kind = match reason {
+            FinishReason::Stop | FinishReason::Length => FinishKind::Normal,
+            FinishReason::Abort | FinishReason::Error => FinishKind::Aborted,
+        };
+        let table = self.kv.block_table(id).to_vec();
+        let action = self
+            .connector
+            .request_finished(&Self::connector_view(&req), &table, kind);
+        if action.delay_free && !table.is_empty() {
+            self.delayed_free.insert(id);
+        } else {
+            self.kv.free(id);
+        }
+        if req.sent_to_worker {
+            self.finished_since_last_step.push(id);
+        }
+        metrics::counter!(m::REQUEST_SUCCESS_TOTAL, "finished_reason" => reason.as_str())
+            .increment(1);
+        metrics::histogram!(m::E2E_REQUEST_LATENCY_SECONDS)
+            .record(req.arrival.elapsed().as_secs_f64());
+        event.finish = Some(reason);
+        event.stop_reason = stop_reason;
+        event.error = error;
+        event.num_prompt_tokens = req.num_prompt_tokens;
+        event.num_output_tokens = req.num_output_tokens();
+        event.num_cached_tokens = req.num_cached_tokens.unwrap_or(0);
+        event.kv_transfer_params = action.kv_transfer_params;
+        let _ = req.sink.send(event);
+    }
+
+    fn publish_gauges(&mut self) {
+        metrics::gauge!(m::NUM_REQUESTS_RUNNING).set(self.running.len() as f64);
+        metrics::gauge!(m::NUM_REQUESTS_WAITING).set(self.waiting.len() as f64);
+        metrics::gauge!(m::NUM_REQUESTS_WAITING_FOR_REMOTE_KV)
+            .set(self.remote_waiting.len() as f64);
+        metrics::gauge!(m::KV_CACHE_USAGE_PERC).set(self.kv.usage());
+        metrics::gauge!(m::KV_CACHE_FREE_BLOCKS).set(self.kv.num_free_blocks() as f64);
+        let s = self.kv.prefix_cache_stats();
+        let (q, h) = self.reported_prefix_stats;
+        metrics::counter!(m::PREFIX_CACHE_QUERIES_TOTAL).increment(s.queries - q);
+        metrics::counter!(m::PREFIX_CACHE_HITS_TOTAL).increment(s.hits - h);
+        self.reported_prefix_stats = (s.queries, s.hits);
+    }
+
+    /// Ends every request with an error (the engine cannot go on).
+    pub fn fail_all(&mut self, error: EngineError) {
+        let ids: Vec<u64> = self.requests.keys().copied().collect();
+        for id in ids {
+            self.finish_request(id, FinishReason::Error, Some(error.clone()));
+        }
+    }
+
+    /// Checks the bookkeeping invariants; for tests.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let mut seen = HashSet::new();
+        for id in self
+            .waiting
+            .iter()
+            .chain(&self.running)
+            .chain(&self.remote_waiting)
+        {
+            if !seen.insert(*id) {
+                return Err(format!("request {id} is in two queues"));
+            }
+            if !self.requests.contains_key(id) {
+                return Err(format!("queued request {id} is unknown"));
+            }
+        }
+        if seen.len() != self.requests.len() {
+            return Err("a tracked request is in no queue".into());
+        }
+        for (id, r) in &self.requests {
+            if r.num_computed_tokens > r.num_tokens() {
+                return Err(format!("request {id} computed more tokens than it has"));
+            }
+        }
+        self.kv.pool().check_invariants()
+    }
+}

@@ -10,8 +10,10 @@
 //! on the answer. A failed *connect* (nothing sent) marks the instance unhealthy and is retried
 //! once on another instance of the role; nothing else is retried. The decode lease lives inside
 //! the relayed body, so a client that goes away drops the body, the lease and the upstream
-//! response (reqwest then closes that connection, which aborts the generation upstream); every
-//! request is counted once in `REQUESTS_TOTAL`, errors here and streams when their body ends.
+//! response (reqwest then closes that connection, which aborts the generation upstream); a
+//! client gone before the answer cancels the handler, whose dropped leases and requests do the
+//! same. Every request is counted once in `REQUESTS_TOTAL`: errors when they are answered,
+//! relayed bodies when they end or are dropped, cancelled handlers by `Pending`.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -117,6 +119,11 @@ async fn handle(
         started: Instant::now(),
     };
     let span = tracing::debug_span!("proxy", request_id = %ctx.request_id, route = route.label());
+    // Counts the request if this future is dropped before it has an answer (client gone).
+    let mut pending = Pending {
+        route: route.label(),
+        answered: false,
+    };
     let result = async {
         match body {
             Some(body) => pd_request(&ctx, body).await,
@@ -125,6 +132,7 @@ async fn handle(
     }
     .instrument(span)
     .await;
+    pending.answered = true;
     let mut response = result.unwrap_or_else(|error| {
         telemetry::request_finished(route.label(), error.code());
         error.into_response()
@@ -133,6 +141,24 @@ async fn handle(
         response.headers_mut().insert(X_REQUEST_ID, value);
     }
     response
+}
+
+/// A request still waiting for its answer; dropping it (the client went away and the server
+/// cancelled the handler) counts the request as `client_disconnected`. Marked `answered` once
+/// the answer (or its error) exists, from which point the answer counts the request.
+struct Pending {
+    route: &'static str,
+    answered: bool,
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        if self.answered {
+            return;
+        }
+        tracing::debug!(route = self.route, "client went away before the answer");
+        telemetry::request_finished(self.route, telemetry::OUTCOME_CLIENT_DISCONNECTED);
+    }
 }
 
 /// The client's `X-Request-Id` if it is short and printable, else a new UUID.

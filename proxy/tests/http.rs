@@ -668,3 +668,77 @@ fn proxy_args_read_from_toml() {
         "typos are rejected"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn body_over_the_limit_is_413() {
+    let (p, d) = (fake_prefill("p0").await, fake_decode("d0").await);
+    let mut config = args(&[&p.url], &[&d.url]);
+    config.max_body_bytes = 64;
+    let proxy = start_proxy(config, None).await;
+    let response = client()
+        .post(format!("{}/v1/completions", proxy.url))
+        .json(&json!({"model": "m", "prompt": "x".repeat(100)}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 413);
+    assert_envelope(&response.json().await.unwrap(), "body_too_large");
+    assert!(p.completions().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_gone_during_prefill_releases_the_prefill_instance() {
+    let (p, d) = (fake_prefill("p0").await, fake_decode("d0").await);
+    p.set_mode(Mode::Hang);
+    let mut config = args(&[&p.url], &[&d.url]);
+    config.prefill_timeout_secs = 60.0;
+    let proxy = start_proxy(config, None).await;
+    let impatient = reqwest::Client::builder()
+        .timeout(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let result = impatient
+        .post(format!("{}/v1/completions", proxy.url))
+        .json(&json!({"model": "m", "prompt": "Hi"}))
+        .send()
+        .await;
+    assert!(result.is_err(), "the client gave up");
+    assert_eq!(p.completions().len(), 1);
+    // Well before the 60 s prefill timeout: the cancelled handler dropped its lease.
+    proxy.assert_idle().await;
+    assert!(d.completions().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_with_runs_health_checks_and_stops_on_shutdown() {
+    let (p, d) = (fake_prefill("p0").await, fake_decode("d0").await);
+    d.set_healthy(false);
+    let state = tandem_proxy::ProxyState::new(args(&[&p.url], &[&d.url]), None).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(tandem_proxy::serve_with(listener, state.clone(), async {
+        stopped.await.ok();
+    }));
+    wait_until("the health checks take d0 out", || {
+        !state.status().decode[0].healthy
+    })
+    .await;
+    let health = client().get(format!("{url}/health")).send().await.unwrap();
+    assert_eq!(health.status(), 503);
+    d.set_healthy(true);
+    wait_until("d0 back", || state.status().decode[0].healthy).await;
+    let health = client().get(format!("{url}/health")).send().await.unwrap();
+    assert_eq!(health.status(), 200);
+
+    stop.send(()).unwrap();
+    tokio::time::timeout(Duration::from_secs(5), server)
+        .await
+        .expect("serve_with returns after shutdown")
+        .unwrap()
+        .unwrap();
+    assert!(
+        client().get(format!("{url}/health")).send().await.is_err(),
+        "no longer listening"
+    );
+}

@@ -8,9 +8,9 @@
 //! Where it looks, in order (the first hit wins):
 //! 1. the directory passed by the caller (a flag), else `$TANDEM_NIXL_LIB_DIR`: when either is
 //!    given, it must hold the library (no silent fall-back to another copy);
-//! 2. `<dir>/.nixl/.nixl_cu12.mesonpy.libs` (or `cu13`) for `<dir>` the current directory and each
-//!    of its ancestors, then the executable's directory and its ancestors, then the source tree
-//!    this crate was built from (where `scripts/setup.sh` installs it);
+//! 2. `<dir>/.nixl/.nixl_cu12.mesonpy.libs` (or `cu13`, where `scripts/setup.sh` installs it) for
+//!    `<dir>` the current directory and each of its ancestors, then the executable's directory and
+//!    its ancestors (so `target/release/tandem` of a checkout finds the checkout's copy);
 //! 3. the dynamic linker's own search (`LD_LIBRARY_PATH`, `ldconfig`).
 //!
 //! Invariants: no `nixl_sys` function runs before a successful load (so `is_stub()`, which caches
@@ -134,8 +134,8 @@ fn lib_in(dir: &Path) -> Option<PathBuf> {
     None
 }
 
-/// Directories searched upward for a `.nixl/` install: the current directory, the executable's
-/// directory, and the source tree this crate was built from, each with all its ancestors.
+/// Directories searched upward for a `.nixl/` install: the current directory and the
+/// executable's directory, each with all its ancestors.
 fn search_roots() -> Vec<PathBuf> {
     let mut starts = Vec::new();
     if let Ok(cwd) = std::env::current_dir() {
@@ -147,7 +147,6 @@ fn search_roots() -> Vec<PathBuf> {
     {
         starts.push(dir);
     }
-    starts.push(PathBuf::from(env!("CARGO_MANIFEST_DIR")));
     let mut roots: Vec<PathBuf> = Vec::new();
     for start in starts {
         for dir in start.ancestors() {
@@ -207,10 +206,6 @@ fn searched_description(explicit_dir: Option<&Path>, env_dir: Option<&std::ffi::
                 v.push(format!("{} and its parents (executable)", d.display()));
             }
         }
-        v.push(format!(
-            "{} and its parents (build tree)",
-            env!("CARGO_MANIFEST_DIR")
-        ));
         v
     };
     format!(

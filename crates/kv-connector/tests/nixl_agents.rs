@@ -1,0 +1,321 @@
+//! Two NIXL agents in one process, over the real library (UCX): READs and WRITEs of scrambled
+//! block lists compared byte for byte, notifications, handshake refusals, bad block ids, and a
+//! peer destroyed under a transfer.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use tandem_kv_cache::CacheDtype;
+use tandem_kv_connector::nixl::{
+    HandshakeMismatch, NixlAgentConfig, NixlHandshake, TransferOp, TransferStatus,
+};
+use tandem_kv_connector::KvConnectorError;
+
+/// The consumer accepts the producer's handshake, as it would after fetching it over HTTP.
+fn connect(
+    consumer: &tandem_kv_connector::nixl::NixlAgent,
+    producer: &tandem_kv_connector::nixl::NixlAgent,
+) -> String {
+    let json = producer.handshake().unwrap().to_json();
+    let hs = NixlHandshake::from_json(&json).unwrap();
+    consumer.add_peer(&hs).unwrap()
+}
+
+#[test]
+fn read_of_scrambled_blocks_lands_byte_exact_and_notifies_the_producer() {
+    let p_mem = small_storage();
+    let c_mem = small_storage();
+    fill_random(&p_mem, 1);
+    let producer = agent("prefill", p_mem.clone());
+    let consumer = agent("decode", c_mem.clone());
+    let peer = connect(&consumer, &producer);
+    assert_eq!(peer, producer.name());
+    assert_eq!(consumer.peers(), vec![peer.clone()]);
+    assert_eq!(consumer.peer_engine_id(&peer).as_deref(), Some("prefill"));
+
+    // remote 4,5,6 -> local 20,21,22 (one run), then scattered blocks, given out of order.
+    let remote = [6, 30, 4, 0, 5, 17];
+    let local = [22, 1, 20, 31, 21, 9];
+    let payload = b"done:req-7\x00\xff\x01".to_vec();
+    let h = consumer
+        .read_blocks(&peer, &local, &remote, Some(payload.clone()))
+        .unwrap();
+    assert_eq!(h.op(), TransferOp::Read);
+    let stats = h.wait(TIMEOUT).unwrap();
+
+    let pairs: Vec<(usize, usize)> = remote.iter().copied().zip(local).collect();
+    assert_blocks_equal(&p_mem, &c_mem, &pairs);
+    assert_blocks_zero(&c_mem, (0..32).filter(|b| !local.contains(b)));
+    let block_bytes = 16 * 3 * 64 * 2;
+    assert_eq!(stats.bytes, (6 * 4 * 2 * block_bytes) as u64);
+    assert_eq!(stats.blocks, 6);
+    // Per array: the run 4..=6 and three single blocks.
+    assert_eq!(stats.descriptors, 4 * 4 * 2);
+    assert!(stats.duration > Duration::ZERO && stats.gbps() > 0.0);
+    // A later poll repeats the same outcome.
+    match h.poll() {
+        TransferStatus::Done(again) => assert_eq!(again, stats),
+        other => panic!("{other:?}"),
+    }
+
+    // The producer never loaded the consumer's metadata, yet gets the notification.
+    let notifs = wait_notifs(&producer, 1, TIMEOUT);
+    assert_eq!(notifs, vec![(consumer.name().to_string(), payload)]);
+}
+
+#[test]
+fn write_pushes_blocks_into_the_peer_and_notifies_it() {
+    let p_mem = small_storage();
+    let c_mem = small_storage();
+    fill_random(&p_mem, 2);
+    let producer = agent("prefill", p_mem.clone());
+    let consumer = agent("decode", c_mem.clone());
+    // Push mode: the producer accepts the consumer's handshake and writes into its blocks.
+    let peer = connect(&producer, &consumer);
+    let local = [3, 4, 5, 6, 29];
+    let remote = [10, 11, 12, 13, 0];
+    let h = producer
+        .write_blocks(&peer, &local, &remote, Some(vec![0xab; 32 * 1024]))
+        .unwrap();
+    let stats = h.wait(TIMEOUT).unwrap();
+    assert_eq!(stats.op, TransferOp::Write);
+    assert_eq!(stats.descriptors, 2 * 4 * 2);
+    let pairs: Vec<(usize, usize)> = local.iter().copied().zip(remote).collect();
+    assert_blocks_equal(&p_mem, &c_mem, &pairs);
+    assert_blocks_zero(&c_mem, (0..32).filter(|b| !remote.contains(b)));
+    let notifs = wait_notifs(&consumer, 1, TIMEOUT);
+    assert_eq!(notifs.len(), 1);
+    assert_eq!(notifs[0].0, producer.name());
+    assert_eq!(notifs[0].1, vec![0xab; 32 * 1024]);
+}
+
+#[test]
+fn concurrent_transfers_and_plain_notifications() {
+    let p_mem = storage(3, 64, 16, CacheDtype::F32);
+    let c_mem = storage(3, 64, 16, CacheDtype::F32);
+    fill_random(&p_mem, 3);
+    let producer = agent("prefill", p_mem.clone());
+    let consumer = agent("decode", c_mem.clone());
+    let peer = connect(&consumer, &producer);
+    // Four READs in flight at once, each of 8 blocks, into disjoint local blocks (reversed).
+    let handles: Vec<_> = (0..4)
+        .map(|i| {
+            let remote: Vec<usize> = (i * 8..i * 8 + 8).collect();
+            let local: Vec<usize> = remote.iter().map(|b| 63 - b).collect();
+            consumer
+                .read_blocks(
+                    &peer,
+                    &local,
+                    &remote,
+                    Some(format!("read-{i}").into_bytes()),
+                )
+                .unwrap()
+        })
+        .collect();
+    for h in &handles {
+        h.wait(TIMEOUT).unwrap();
+    }
+    let pairs: Vec<(usize, usize)> = (0..32).map(|b| (b, 63 - b)).collect();
+    assert_blocks_equal(&p_mem, &c_mem, &pairs);
+
+    // A plain notification (lease renewal) and an empty READ that only notifies.
+    consumer.send_notif(&peer, b"renew\x00lease").unwrap();
+    let h = consumer
+        .read_blocks(&peer, &[], &[], Some(b"nothing-to-read".to_vec()))
+        .unwrap();
+    assert_eq!(h.wait(TIMEOUT).unwrap().bytes, 0);
+    let mut got: Vec<Vec<u8>> = wait_notifs(&producer, 6, TIMEOUT)
+        .into_iter()
+        .map(|(from, bytes)| {
+            assert_eq!(from, consumer.name());
+            bytes
+        })
+        .collect();
+    got.sort();
+    let mut want: Vec<Vec<u8>> = (0..4).map(|i| format!("read-{i}").into_bytes()).collect();
+    want.push(b"renew\x00lease".to_vec());
+    want.push(b"nothing-to-read".to_vec());
+    want.sort();
+    assert_eq!(got, want);
+}
+
+#[test]
+fn incompatible_or_forged_handshakes_are_refused_before_loading() {
+    let mem = small_storage();
+    let consumer = agent("decode", mem.clone());
+    let producer = agent("prefill", small_storage());
+    let good = producer.handshake().unwrap();
+    let rebuilt = |model: &str, layers: Vec<_>| {
+        NixlHandshake::new(
+            &good.engine_id,
+            &good.agent_name,
+            good.agent_metadata.clone(),
+            model,
+            0,
+            1,
+            layers,
+        )
+    };
+    let mismatch = |hs: &NixlHandshake| match consumer.add_peer(hs) {
+        Err(KvConnectorError::IncompatiblePeer { mismatch, .. }) => mismatch,
+        other => panic!("expected an incompatible peer, got {other:?}"),
+    };
+
+    let m = mismatch(&rebuilt("llama-3.2-1b", good.layers.clone()));
+    assert!(matches!(m, HandshakeMismatch::Model { .. }), "{m}");
+    let m = mismatch(&rebuilt(MODEL, good.layers[..3].to_vec()));
+    assert!(
+        matches!(m, HandshakeMismatch::LayerCount { ours: 4, theirs: 3 }),
+        "{m}"
+    );
+    // A real agent with another dtype, and one with another block size.
+    let f32_agent = agent("prefill-f32", storage(4, 32, 16, CacheDtype::F32));
+    let m = mismatch(&f32_agent.handshake().unwrap());
+    assert!(matches!(m, HandshakeMismatch::Dtype { .. }), "{m}");
+    let bs32 = agent("prefill-bs32", storage(4, 32, 32, CacheDtype::Bf16));
+    let m = mismatch(&bs32.handshake().unwrap());
+    assert!(
+        matches!(
+            m,
+            HandshakeMismatch::BlockSize {
+                ours: 16,
+                theirs: 32
+            }
+        ),
+        "{m}"
+    );
+    let mut v2 = good.clone();
+    v2.protocol_version = 2;
+    let m = mismatch(&v2);
+    assert!(
+        matches!(m, HandshakeMismatch::ProtocolVersion { .. }),
+        "{m}"
+    );
+    let err = consumer
+        .add_peer(&rebuilt("llama-3.2-1b", good.layers.clone()))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("different model"), "{err}");
+
+    // Forged: regions outside the peer's registered memory.
+    let mut forged = good.clone();
+    for l in &mut forged.layers {
+        l.k.addr += 1 << 40;
+    }
+    assert!(matches!(
+        consumer.add_peer(&forged),
+        Err(KvConnectorError::InvalidHandshake(_))
+    ));
+    // Our own handshake is not a peer.
+    assert!(consumer.add_peer(&consumer.handshake().unwrap()).is_err());
+    assert!(consumer.peers().is_empty());
+
+    // The genuine one is accepted, twice is a no-op, and removal forgets it.
+    let peer = consumer.add_peer(&good).unwrap();
+    assert_eq!(consumer.add_peer(&good).unwrap(), peer);
+    assert!(consumer.remove_peer(&peer));
+    assert!(matches!(
+        consumer.read_blocks(&peer, &[0], &[0], None),
+        Err(KvConnectorError::UnknownPeer(_))
+    ));
+    consumer.add_peer(&good).unwrap();
+    consumer
+        .read_blocks(&peer, &[0], &[0], None)
+        .unwrap()
+        .wait(TIMEOUT)
+        .unwrap();
+}
+
+#[test]
+fn bad_block_ids_are_refused_without_posting() {
+    let producer = agent("prefill", storage(2, 8, 16, CacheDtype::Bf16));
+    let consumer = agent("decode", storage(2, 16, 16, CacheDtype::Bf16));
+    let peer = connect(&consumer, &producer);
+    assert_eq!(consumer.peer_num_blocks(&peer), Some(8));
+    assert!(matches!(
+        consumer.read_blocks(&peer, &[15], &[8], None),
+        Err(KvConnectorError::BlockOutOfRange {
+            block: 8,
+            num_blocks: 8,
+            ..
+        })
+    ));
+    assert!(matches!(
+        consumer.read_blocks(&peer, &[16], &[0], None),
+        Err(KvConnectorError::BlockOutOfRange { block: 16, .. })
+    ));
+    assert!(matches!(
+        consumer.read_blocks(&peer, &[1, 2], &[0], None),
+        Err(KvConnectorError::BlockCountMismatch {
+            local: 2,
+            remote: 1
+        })
+    ));
+    assert!(matches!(
+        consumer.read_blocks(&peer, &[3, 3], &[0, 1], None),
+        Err(KvConnectorError::DuplicateBlock { block: 3, .. })
+    ));
+    assert!(matches!(
+        consumer.read_blocks("nobody", &[0], &[0], None),
+        Err(KvConnectorError::UnknownPeer(_))
+    ));
+    // The agent still works after refusals.
+    consumer
+        .read_blocks(&peer, &[15, 14], &[7, 6], None)
+        .unwrap()
+        .wait(TIMEOUT)
+        .unwrap();
+}
+
+#[test]
+fn a_destroyed_peer_fails_the_transfer_without_hanging() {
+    let p_mem = small_storage();
+    let consumer = agent("decode", small_storage());
+    let producer = agent("prefill", p_mem.clone());
+    let peer = connect(&consumer, &producer);
+    consumer
+        .read_blocks(&peer, &[0], &[0], None)
+        .unwrap()
+        .wait(TIMEOUT)
+        .unwrap();
+    drop(producer);
+
+    let start = Instant::now();
+    let outcome = consumer
+        .read_blocks(&peer, &[1, 2, 3], &[1, 2, 3], Some(b"x".to_vec()))
+        .and_then(|h| h.wait(Duration::from_secs(30)));
+    let waited = start.elapsed();
+    match outcome {
+        Err(KvConnectorError::TransferFailed { peer: p, .. }) => assert_eq!(p, peer),
+        other => panic!("expected a failed transfer, got {other:?} after {waited:?}"),
+    }
+    assert!(waited < Duration::from_secs(30), "took {waited:?}");
+}
+
+#[test]
+fn agents_take_their_identity_from_the_config() {
+    let mut cfg = NixlAgentConfig::new("engine-x", MODEL);
+    cfg.tp_rank = 1;
+    cfg.tp_size = 2;
+    cfg.agent_name = Some("custom-agent-name".into());
+    let a = agent_with(cfg, small_storage());
+    let hs = a.handshake().unwrap();
+    assert_eq!(a.name(), "custom-agent-name");
+    assert_eq!((hs.tp_rank, hs.tp_size), (1, 2));
+    assert_eq!(hs.engine_id, "engine-x");
+    assert_eq!(hs.num_layers, 4);
+    assert_eq!(hs.dtype, "bf16");
+    assert_eq!(hs.layers[0].block_bytes, 16 * 3 * 64 * 2);
+    hs.validate().unwrap();
+    // Two generated names never collide.
+    let b = agent("engine-x", small_storage());
+    let c = agent("engine-x", small_storage());
+    assert_ne!(b.name(), c.name());
+    // A bad TP config is an error, not a panic.
+    let mut bad = NixlAgentConfig::new("e", MODEL);
+    bad.tp_rank = 2;
+    bad.tp_size = 2;
+    assert!(tandem_kv_connector::nixl::NixlAgent::new(bad, small_storage()).is_err());
+}

@@ -50,6 +50,21 @@ pub(crate) fn block_slice_sums(
     } else {
         2 * rb / PIECE_BYTES
     };
+    if whole_rows {
+        let fixed: Option<FixedWidth> = match width {
+            8 => Some(head_sum_fixed::<8>),
+            16 => Some(head_sum_fixed::<16>),
+            32 => Some(head_sum_fixed::<32>),
+            64 => Some(head_sum_fixed::<64>),
+            _ => None,
+        };
+        if let Some(f) = fixed {
+            for (h, s) in out.iter_mut().enumerate().take(heads) {
+                *s = f(kv, block_id, first_slot, n, h, t0);
+            }
+            return;
+        }
+    }
     scratch.acc.clear();
     scratch.acc.resize(3 * heads * width, 0);
     let (a_all, rest) = scratch.acc.split_at_mut(heads * width);
@@ -92,6 +107,37 @@ pub(crate) fn block_slice_sums(
         };
         *s = finalize(&a_all[r.clone()], &d_all[r], t0, n, pieces).wrapping_add(v_term);
     }
+}
+
+type FixedWidth = fn(&LayerKv<'_>, usize, usize, usize, usize, u64) -> u64;
+
+/// The slice checksum of one head whose rows are `W` whole pieces: the common head sizes, with
+/// the accumulators in registers over the block's tokens.
+fn head_sum_fixed<const W: usize>(
+    kv: &LayerKv<'_>,
+    block_id: usize,
+    first_slot: usize,
+    n: usize,
+    h: usize,
+    t0: u64,
+) -> u64 {
+    let mut a = [0u64; W];
+    let mut vs = [0u64; W];
+    let mut d = [0u64; W];
+    walk_head(kv, block_id, first_slot, n, h, |k, v| {
+        let k = &k[..W * PIECE_BYTES];
+        let v = &v[..W * PIECE_BYTES];
+        for i in 0..W {
+            let xk = u64::from_le_bytes(k[8 * i..8 * i + 8].try_into().unwrap());
+            let xv = u64::from_le_bytes(v[8 * i..8 * i + 8].try_into().unwrap());
+            a[i] = a[i].wrapping_add(xk.wrapping_add(xv));
+            vs[i] = vs[i].wrapping_add(xv);
+            d[i] = d[i].wrapping_add(a[i]);
+        }
+    });
+    let v_tot = vs.iter().fold(0u64, |acc, &x| acc.wrapping_add(x));
+    finalize(&a, &d, t0, n as u64, 2 * W as u64)
+        .wrapping_add(2u64.wrapping_mul(W as u64).wrapping_mul(v_tot))
 }
 
 /// `(2 t0 P + 1) ΣA + 2P (n ΣA - ΣD) + 2 Σ i A[i]`, all wrapping.
@@ -150,6 +196,43 @@ fn accumulate_token(row: &[u8], a: &mut [u64], d: &mut [u64]) {
         let na = a.wrapping_add(u64::from_le_bytes(c.try_into().unwrap()));
         *a = na;
         *d = d.wrapping_add(na);
+    }
+}
+
+/// Calls `f(k_row, v_row)` for head `h` and every slot in `[first_slot, first_slot + n)` of
+/// `block_id`, in increasing order.
+#[inline(always)]
+fn walk_head<'a>(
+    kv: &LayerKv<'a>,
+    block_id: usize,
+    first_slot: usize,
+    n: usize,
+    h: usize,
+    mut f: impl FnMut(&'a [u8], &'a [u8]),
+) {
+    let lay = &kv.layout;
+    let (k, v) = (kv.k, kv.v);
+    let rb = lay.row_bytes();
+    let heads = lay.num_kv_heads;
+    let kbs = lay.kernel_block_size;
+    let kernel_block_bytes = kbs * heads * rb;
+    let kernel_blocks_per_block = lay.block_size / kbs;
+    let (head_offset, stride) = match lay.order {
+        LayoutOrder::TokenMajor => (h * rb, heads * rb),
+        LayoutOrder::HeadMajor => (h * kbs * rb, rb),
+    };
+    let end = first_slot + n;
+    let mut slot = first_slot;
+    while slot < end {
+        let kernel_block = block_id * kernel_blocks_per_block + slot / kbs;
+        let t_first = slot % kbs;
+        let seg = (end - slot).min(kbs - t_first);
+        let first = kernel_block * kernel_block_bytes + head_offset + t_first * stride;
+        for i in 0..seg {
+            let o = first + i * stride;
+            f(&k[o..o + rb], &v[o..o + rb]);
+        }
+        slot += seg;
     }
 }
 

@@ -10,8 +10,11 @@
 //! `s = (2 t0 P + 1) ΣA + 2P (n ΣA - ΣD) + 2R ΣV + 2 Σ i A[i]`
 //! with `t0` the first token's position in the request, `P` pieces per token and `R = P / 2`
 //! pieces per row. The loops are plain wrapping adds over `u64` lanes, which the compiler
-//! vectorizes. A row that is not whole pieces (`row_bytes % 8 == 4`) takes a slower path that
-//! joins the token's K and V rows first, so a piece may straddle them as the definition says.
+//! vectorizes. Rows of 8, 16, 32 or 64 pieces (head_dim 64 or 128 in f32, bf16 or f16) keep the
+//! sums in registers, one head at a time; other widths keep them in a scratch buffer and visit
+//! rows in memory order. A row that is not whole pieces (`row_bytes % 8 == 4`) takes a slower
+//! path that joins the token's K and V rows first, so a piece may straddle them as the
+//! definition says.
 //!
 //! Invariants: callers have validated the job (block and slots in range, arrays long enough,
 //! `2 * row_bytes` a multiple of 8), so indexing here cannot fail; tokens of each head are visited

@@ -87,23 +87,23 @@ impl KvSource for Vec<LayerKv<'_>> {
 }
 
 /// The CPU backend: one thread, reading the KV in place.
-pub struct CpuBackend<'s> {
-    source: &'s (dyn KvSource + 's),
+pub struct CpuBackend<'s, S: KvSource + ?Sized> {
+    source: &'s S,
 }
 
-impl std::fmt::Debug for CpuBackend<'_> {
+impl<S: KvSource + ?Sized> std::fmt::Debug for CpuBackend<'_, S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("CpuBackend")
     }
 }
 
-impl<'s> CpuBackend<'s> {
-    pub fn new(source: &'s (dyn KvSource + 's)) -> Self {
+impl<'s, S: KvSource + ?Sized> CpuBackend<'s, S> {
+    pub fn new(source: &'s S) -> Self {
         CpuBackend { source }
     }
 }
 
-impl ChecksumBackend for CpuBackend<'_> {
+impl<S: KvSource + ?Sized> ChecksumBackend for CpuBackend<'_, S> {
     fn checksum(&self, job: &GroupJob<'_>, out: &mut [u64]) -> Result<(), KvChecksumError> {
         let nb = job.blocks.len();
         if out.len() != job.columns * nb {

@@ -163,10 +163,13 @@ proptest! {
         first in 0..70usize,
         kbs_div in prop::sample::select(vec![1usize, 2, 4, 16]),
         head_major in any::<bool>(),
+        head_dim in prop::sample::select(vec![8usize, 64]),
         seed in any::<u64>(),
     ) {
         let first = first % num_tokens;
-        let m = model(seed, 2, 3, CacheDtype::F16, num_tokens);
+        let names = Model::names(2);
+        let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+        let m = Model::random(&mut Rng(seed), &refs, 3, head_dim, CacheDtype::F16, num_tokens);
         let plain = fast(&m, Physical::plain(16), first, num_tokens, seed);
         let other = Physical {
             block_size: 16,

@@ -309,6 +309,12 @@ fn agents_take_their_identity_from_the_config() {
     assert_eq!(hs.dtype, "bf16");
     assert_eq!(hs.layers[0].block_bytes, 16 * 3 * 64 * 2);
     hs.validate().unwrap();
+    // The library was found without any variable, and UCX has its device setting.
+    assert!(a.library().path.ends_with("libnixl_capi.so"));
+    assert_eq!(
+        std::env::var("UCX_NET_DEVICES").ok().as_deref(),
+        Some(a.library().ucx_net_devices.as_str())
+    );
     // Two generated names never collide.
     let b = agent("engine-x", small_storage());
     let c = agent("engine-x", small_storage());

@@ -64,7 +64,7 @@ pub struct NixlAgentConfig {
 
 impl NixlAgentConfig {
     /// Defaults: TP 1 rank 0, generated agent name, library discovery, progress thread on with
-    /// a 1 ms delay.
+    /// a 10 ms delay.
     pub fn new(engine_id: &str, model: &str) -> Self {
         NixlAgentConfig {
             engine_id: engine_id.to_string(),
@@ -80,8 +80,10 @@ impl NixlAgentConfig {
     }
 }
 
-/// Default [`NixlAgentConfig::progress_delay_us`].
-pub const DEFAULT_PROGRESS_DELAY_US: u64 = 1000;
+/// Default [`NixlAgentConfig::progress_delay_us`]: the thread wakes on UCX events at once, so
+/// the delay only bounds its sleep when idle (measured: 1 ms costs 1.5-2% of a core when idle,
+/// 10 ms 0.5%, with the same one-block READ latency).
+pub const DEFAULT_PROGRESS_DELAY_US: u64 = 10_000;
 
 /// One layer of the memory an agent registers: its layout, name, and its K and V arrays.
 #[derive(Debug, Clone, PartialEq, Eq)]

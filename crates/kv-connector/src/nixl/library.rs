@@ -1,4 +1,4 @@
-//! Finding and loading NIXL's native library, and UCX's environment defaults.
+//! Finding and loading NIXL's native library, and UCX's network-device default.
 //!
 //! `nixl-sys` is built with `stub-api`: its functions `dlopen("libnixl_capi.so")` on first use and
 //! `abort()` the whole process when that fails. [`load_nixl`] therefore finds the library itself
@@ -17,13 +17,14 @@
 //! its answer, is asked only after it); the library is never unloaded; a failed search returns
 //! [`KvConnectorError::NixlLibraryNotFound`] listing every place looked at, it never aborts.
 //!
-//! UCX defaults ([`apply_ucx_defaults`], applied by [`load_nixl`] before the first agent exists):
-//! when the user has set neither `UCX_NET_DEVICES` nor `UCX_TLS`, they become `lo` and
-//! `tcp,self,sm`: on one host the KV bytes move zero-copy through `cma` (process_vm_readv) and
-//! UCX's wire-up, notifications and flushes use TCP over loopback. Across hosts set
-//! `UCX_NET_DEVICES` to the interface that reaches the peer (e.g. `eth0`, `mlx5_0:1`); then
-//! `UCX_TLS` is left to UCX's own selection unless set too. A variable the user has set is never
-//! changed.
+//! UCX network devices: when the user has not set `UCX_NET_DEVICES`, [`load_nixl`] sets it to
+//! `lo` (once, before any UCX context exists). On one host the KV bytes then move zero-copy through
+//! UCX's `cma` transport (process_vm_readv), and wire-up, notifications and flushes use TCP over
+//! loopback. Across hosts set `UCX_NET_DEVICES` to the interface(s) that reach the peers
+//! (`eth0`, `mlx5_0:1`, or `all`). `UCX_TLS` is left to UCX's own selection: NIXL refuses a
+//! `UCX_TLS` without CUDA transports on a host with GPUs, so a fixed default would break there.
+//! (NIXL's per-backend `ucx_devices` parameter cannot replace the variable: it only takes
+//! InfiniBand ports.) A variable the user has set is never changed.
 
 use std::ffi::{CStr, CString};
 use std::path::{Path, PathBuf};
@@ -40,24 +41,25 @@ pub const WHEEL_LIB_DIRS: [&str; 2] = [
     ".nixl/.nixl_cu12.mesonpy.libs",
     ".nixl/.nixl_cu13.mesonpy.libs",
 ];
-/// Default for `UCX_NET_DEVICES` when the user set neither it nor `UCX_TLS`.
+
+/// `UCX_NET_DEVICES` when the user has not set it.
 pub const DEFAULT_UCX_NET_DEVICES: &str = "lo";
-/// Default for `UCX_TLS` when the user set neither it nor `UCX_NET_DEVICES`.
-pub const DEFAULT_UCX_TLS: &str = "tcp,self,sm";
 
 /// The loaded NIXL library.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NixlLibrary {
     /// The file that was loaded, or `libnixl_capi.so` when the dynamic linker found it.
     pub path: PathBuf,
-    /// UCX variables this process set because the user had not (name, value).
-    pub ucx_defaults_applied: Vec<(String, String)>,
+    /// `UCX_NET_DEVICES` as UCX will see it.
+    pub ucx_net_devices: String,
+    /// Whether that value is [`DEFAULT_UCX_NET_DEVICES`], set by this process.
+    pub ucx_net_devices_defaulted: bool,
 }
 
 static LOADED: Mutex<Option<NixlLibrary>> = Mutex::new(None);
 
-/// Finds NIXL's library (see the module docs for where), loads it once per process, applies the
-/// UCX defaults, and returns what was loaded. Later calls return the first load, after checking
+/// Finds NIXL's library (see the module docs for where), loads it once per process, sets the
+/// `UCX_NET_DEVICES` default, and returns what was loaded. Later calls return the first load, after checking
 /// that an explicitly named directory (argument or `TANDEM_NIXL_LIB_DIR`) does hold the library.
 pub fn load_nixl(explicit_dir: Option<&Path>) -> Result<NixlLibrary, KvConnectorError> {
     let env_dir = std::env::var_os(LIB_DIR_ENV).filter(|v| !v.is_empty());
@@ -96,11 +98,19 @@ pub fn load_nixl(explicit_dir: Option<&Path>) -> Result<NixlLibrary, KvConnector
                 .into(),
         });
     }
+    let defaulted = std::env::var_os("UCX_NET_DEVICES").is_none();
+    if defaulted {
+        // Once, under LOADED's lock, before any UCX context reads it. Callers load NIXL at
+        // startup, before other threads read the environment.
+        std::env::set_var("UCX_NET_DEVICES", DEFAULT_UCX_NET_DEVICES);
+    }
     let lib = NixlLibrary {
         path,
-        ucx_defaults_applied: apply_ucx_defaults(),
+        ucx_net_devices: std::env::var("UCX_NET_DEVICES").unwrap_or_default(),
+        ucx_net_devices_defaulted: defaulted,
     };
-    tracing::info!(path = %lib.path.display(), ucx_defaults = ?lib.ucx_defaults_applied, "NIXL loaded");
+    tracing::info!(path = %lib.path.display(), ucx_net_devices = %lib.ucx_net_devices,
+        defaulted, "NIXL loaded");
     *loaded = Some(lib.clone());
     Ok(lib)
 }
@@ -243,25 +253,6 @@ fn dlopen_global(path: &Path) -> Result<(), KvConnectorError> {
         });
     }
     Ok(())
-}
-
-/// Sets `UCX_NET_DEVICES=lo` and `UCX_TLS=tcp,self,sm` when the user has set neither (module
-/// docs); returns what it set. Called by [`load_nixl`]; UCX reads them when a backend is created.
-pub fn apply_ucx_defaults() -> Vec<(String, String)> {
-    let set = |k: &str| std::env::var_os(k).is_some();
-    if set("UCX_NET_DEVICES") || set("UCX_TLS") {
-        return Vec::new();
-    }
-    let mut applied = Vec::new();
-    for (k, v) in [
-        ("UCX_NET_DEVICES", DEFAULT_UCX_NET_DEVICES),
-        ("UCX_TLS", DEFAULT_UCX_TLS),
-    ] {
-        // Runs once, under LOADED's lock, before any UCX context exists.
-        std::env::set_var(k, v);
-        applied.push((k.to_string(), v.to_string()));
-    }
-    applied
 }
 
 #[cfg(test)]

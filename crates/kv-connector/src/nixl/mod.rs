@@ -1,7 +1,7 @@
 //! The NIXL transport: moving bytes of KV blocks between two processes with real NIXL (UCX).
 //!
 //! - [`library`]: finds and loads `libnixl_capi.so` before any NIXL call (never aborts), and sets
-//!   UCX's environment defaults.
+//!   UCX's network-device default.
 //! - [`agent`]: [`NixlAgent`], one agent over one worker's KV memory: registration, metadata,
 //!   peers with descriptor lists prepared once, notifications.
 //! - [`handshake`]: [`NixlHandshake`], what instances exchange before a transfer, and the
@@ -26,7 +26,7 @@ pub use handshake::{
     compat_hash, HandshakeMismatch, LayerInfo, NixlHandshake, RegionInfo,
     HANDSHAKE_PROTOCOL_VERSION,
 };
-pub use library::{apply_ucx_defaults, load_nixl, nixl_loaded, NixlLibrary, LIB_DIR_ENV};
+pub use library::{load_nixl, nixl_loaded, NixlLibrary, DEFAULT_UCX_NET_DEVICES, LIB_DIR_ENV};
 pub use transfer::{TransferHandle, TransferOp, TransferStats, TransferStatus};
 
 use crate::error::KvConnectorError;

@@ -1,1 +1,35 @@
-//! placeholder
+//! Tandem's models: architectures written on candle that read and write the engine's paged KV
+//! cache, their loaders (GGUF; Hugging Face safetensors directories), tokenizers and chat
+//! templates.
+//!
+//! - [`model`]: the engine-facing interface ([`CausalLm`], [`ForwardBatch`], [`ModelInfo`]).
+//! - [`loader`]: `--model` resolution and [`load_model`].
+//! - [`llama`]: the Llama family. One module per architecture.
+//! - [`attention`]: CPU paged attention over [`tandem_kv_cache::KvStorage`].
+//! - [`ops`]: RMSNorm, RoPE, SwiGLU and small vector kernels.
+//! - [`weights`]: weight modes and matrices ([`WeightMode`]).
+//! - [`gguf`], `hf`: file formats.
+//! - [`tokenizer`], [`chat_template`]: text in and out.
+//!
+//! Invariant across the crate: the model never owns KV state; everything a sequence has seen
+//! lives in the engine's cache, addressed by block tables, so a step's result for one sequence
+//! depends only on that sequence's tokens and cache.
+
+pub mod attention;
+pub mod chat_template;
+pub mod error;
+pub mod gguf;
+mod hf;
+pub mod llama;
+pub mod loader;
+pub mod model;
+pub mod ops;
+pub mod tokenizer;
+pub mod weights;
+
+pub use chat_template::{ChatMessage, ChatTemplate};
+pub use error::ModelError;
+pub use loader::{load_model, resolve_model, LoadOptions, LoadedModel, ModelSource};
+pub use model::{CausalLm, ForwardBatch, ModelInfo, SeqBatch};
+pub use tokenizer::{IncrementalDetokenizer, TextTokenizer};
+pub use weights::WeightMode;

@@ -1,0 +1,471 @@
+//! Paged attention on the CPU: each query attends to its sequence's K and V read in place from
+//! the paged cache through the sequence's block table.
+//!
+//! - Causal within the sequence: the query at cache index `i` sees cache indices `0..=i`
+//!   (or the last `window` of them for sliding-window layers).
+//! - GQA without copies: query heads `g*G..(g+1)*G` share KV head `g`; each K/V row is read once
+//!   per block for all of them.
+//! - Online softmax over one cache block at a time (running max and sum), so no buffer grows
+//!   with the context and no gather copy of the context is made. f32 caches are read in place;
+//!   f16/bf16 caches are decoded one block of one head at a time into a small scratch.
+//! - Work is split into (sequence, KV head, tile of queries) tasks run in parallel with rayon.
+//!   A query's result depends only on its own sequence's cache, never on the other tasks, so
+//!   batching does not change it.
+
+use rayon::prelude::*;
+use tandem_kv_cache::{CacheDtype, LayerKv};
+
+use crate::error::ModelError;
+use crate::model::SeqBatch;
+use crate::ops::{axpy, dot};
+
+/// Shape of one attention layer.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttentionParams {
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    /// Multiplier of `q·k` (usually `1/sqrt(head_dim)`).
+    pub scale: f32,
+    /// Sliding window (tokens a query sees, itself included); `None` for full attention.
+    pub window: Option<usize>,
+}
+
+/// One layer's cache as the attention reads it.
+#[derive(Debug, Clone, Copy)]
+pub enum LayerCache<'a> {
+    /// f32 K and V arrays (the fast path) with their layout.
+    F32 {
+        k: &'a [f32],
+        v: &'a [f32],
+        view: LayerKv<'a>,
+    },
+    /// Any dtype, decoded row by row.
+    Bytes(LayerKv<'a>),
+}
+
+impl<'a> LayerCache<'a> {
+    pub fn from_storage(
+        kv: &'a tandem_kv_cache::KvStorage,
+        layer: usize,
+    ) -> Result<Self, ModelError> {
+        let view = kv.layer(layer)?;
+        // the fast path walks a block's rows of one head at a fixed stride: unsplit blocks only
+        let unsplit = view.layout.kernel_block_size == view.layout.block_size;
+        Ok(match kv.layer_f32(layer)? {
+            Some((k, v)) if unsplit => LayerCache::F32 { k, v, view },
+            _ => LayerCache::Bytes(view),
+        })
+    }
+    fn view(&self) -> &LayerKv<'a> {
+        match self {
+            LayerCache::F32 { view, .. } | LayerCache::Bytes(view) => view,
+        }
+    }
+}
+
+/// Queries per task: small enough to spread a long prefill over the cores, large enough to
+/// reuse each K/V block for many queries.
+const QUERY_TILE: usize = 16;
+
+/// Attention output `[q_rows, num_heads * head_dim]` for queries `q` (same shape, RoPE applied)
+/// of the sequences `seqs`, reading K and V from `cache`. Rows not covered by a sequence are 0.
+pub fn paged_attention(
+    q: &[f32],
+    seqs: &[SeqBatch],
+    cache: LayerCache,
+    p: &AttentionParams,
+) -> Result<Vec<f32>, ModelError> {
+    let layout = cache.view().layout;
+    let (nh, nkv, hd) = (p.num_heads, p.num_kv_heads, p.head_dim);
+    if nkv == 0 || nh % nkv != 0 || layout.num_kv_heads != nkv || layout.head_dim != hd {
+        return Err(ModelError::InvalidBatch(format!(
+            "attention with {nh} heads / {nkv} KV heads of {hd} over a cache of {} KV heads of {}",
+            layout.num_kv_heads, layout.head_dim
+        )));
+    }
+    let row = nh * hd;
+    let rows = q.len() / row;
+    let mut tasks = Vec::new();
+    for (s, seq) in seqs.iter().enumerate() {
+        let needed = seq.context_len.div_ceil(layout.block_size);
+        if seq.query_len > seq.context_len
+            || seq.query_start + seq.query_len > rows
+            || seq.block_table.len() < needed
+            || seq.block_table[..needed]
+                .iter()
+                .any(|&b| b as usize >= layout.num_blocks)
+        {
+            return Err(ModelError::InvalidBatch(format!(
+                "sequence {s} does not fit the batch or the cache of {} blocks",
+                layout.num_blocks
+            )));
+        }
+        for g in 0..nkv {
+            let mut r = 0;
+            while r < seq.query_len {
+                let n = (seq.query_len - r).min(QUERY_TILE);
+                tasks.push((s, g, r, n));
+                r += n;
+            }
+        }
+    }
+    let results: Vec<Vec<f32>> = tasks
+        .par_iter()
+        .map(|&(s, g, r0, n)| attend_tile(q, &seqs[s], g, r0, n, &cache, p))
+        .collect();
+    let mut out = vec![0f32; rows * row];
+    let group = nh / nkv;
+    for (&(s, g, r0, n), res) in tasks.iter().zip(&results) {
+        let seq = &seqs[s];
+        for i in 0..n {
+            let dst = (seq.query_start + r0 + i) * row + g * group * hd;
+            out[dst..dst + group * hd].copy_from_slice(&res[i * group * hd..(i + 1) * group * hd]);
+        }
+    }
+    Ok(out)
+}
+
+/// Attention of queries `r0..r0+n` of `seq` for the query heads of KV head `g`.
+/// Returns `[n, group * head_dim]`.
+fn attend_tile(
+    q: &[f32],
+    seq: &SeqBatch,
+    g: usize,
+    r0: usize,
+    n: usize,
+    cache: &LayerCache,
+    p: &AttentionParams,
+) -> Vec<f32> {
+    let (nh, nkv, hd) = (p.num_heads, p.num_kv_heads, p.head_dim);
+    let group = nh / nkv;
+    let layout = cache.view().layout;
+    let bs = layout.block_size;
+    let first = seq.context_len - seq.query_len; // cache index of the sequence's first query
+
+    // Scaled queries, one vector per (query, head of the group).
+    let nq = n * group;
+    let mut qs = Vec::with_capacity(nq * hd);
+    for i in 0..n {
+        let base = (seq.query_start + r0 + i) * nh * hd + g * group * hd;
+        qs.extend(q[base..base + group * hd].iter().map(|&x| x * p.scale));
+    }
+    // Visible cache range of each query: [lo, hi).
+    let hi = |i: usize| first + r0 + i + 1;
+    let lo = |i: usize| p.window.map_or(0, |w| hi(i).saturating_sub(w));
+    let (t_lo, t_hi) = (lo(0), hi(n - 1));
+
+    let mut acc = vec![0f32; nq * hd];
+    let mut max = vec![f32::NEG_INFINITY; nq];
+    let mut sum = vec![0f32; nq];
+    let mut scores = vec![0f32; bs];
+    let mut k_scratch = vec![
+        0f32;
+        if matches!(cache, LayerCache::Bytes(_)) {
+            bs * hd
+        } else {
+            0
+        }
+    ];
+    let mut v_scratch = k_scratch.clone();
+
+    for b in t_lo / bs..t_hi.div_ceil(bs) {
+        let block = seq.block_table[b] as usize;
+        let (j0, j1) = (b * bs, ((b + 1) * bs).min(t_hi));
+        // Rows of this block for head g, as f32 slices.
+        let (kb, vb, stride): (&[f32], &[f32], usize) = match cache {
+            LayerCache::F32 { k, v, view } => {
+                // token-major rows of one head are `num_kv_heads * head_dim` apart
+                let start = view.layout.row_offset(block, 0, g) / 4;
+                let stride = row_stride_f32(view);
+                let len = (j1 - j0 - 1) * stride + hd;
+                (&k[start..start + len], &v[start..start + len], stride)
+            }
+            LayerCache::Bytes(view) => {
+                let dt: CacheDtype = view.layout.dtype;
+                for t in 0..j1 - j0 {
+                    let (kr, vr) = view.rows(block, t, g);
+                    dt.decode(kr, &mut k_scratch[t * hd..(t + 1) * hd]);
+                    dt.decode(vr, &mut v_scratch[t * hd..(t + 1) * hd]);
+                }
+                (&k_scratch[..], &v_scratch[..], hd)
+            }
+        };
+        for i in 0..n {
+            let (a, z) = (lo(i).max(j0), hi(i).min(j1));
+            if a >= z {
+                continue;
+            }
+            for h in 0..group {
+                let qi = i * group + h;
+                let qv = &qs[qi * hd..(qi + 1) * hd];
+                let sc = &mut scores[..z - a];
+                let mut m = max[qi];
+                for (t, s) in (a..z).zip(sc.iter_mut()) {
+                    let off = (t - j0) * stride;
+                    *s = dot(qv, &kb[off..off + hd]);
+                    m = m.max(*s);
+                }
+                let acc_q = &mut acc[qi * hd..(qi + 1) * hd];
+                if m > max[qi] {
+                    let c = (max[qi] - m).exp(); // 0 on the first block
+                    sum[qi] *= c;
+                    acc_q.iter_mut().for_each(|x| *x *= c);
+                    max[qi] = m;
+                }
+                for (t, &s) in (a..z).zip(sc.iter()) {
+                    let e = (s - m).exp();
+                    sum[qi] += e;
+                    let off = (t - j0) * stride;
+                    axpy(acc_q, e, &vb[off..off + hd]);
+                }
+            }
+        }
+    }
+    for qi in 0..nq {
+        let inv = 1.0 / sum[qi];
+        acc[qi * hd..(qi + 1) * hd]
+            .iter_mut()
+            .for_each(|x| *x *= inv);
+    }
+    acc
+}
+
+/// Distance in f32 elements between the rows of consecutive tokens of one head.
+fn row_stride_f32(view: &LayerKv) -> usize {
+    let l = view.layout;
+    (l.row_offset(0, 1 % l.block_size, 0) - l.row_offset(0, 0, 0)) / 4
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tandem_kv_cache::{KvCacheConfig, KvCacheGroup, KvCacheSpec, KvStorage};
+
+    fn lcg(seed: &mut u64) -> f32 {
+        *seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+
+    struct Case {
+        /// (cached tokens before the step, new tokens)
+        seqs: Vec<(usize, usize)>,
+        block_size: usize,
+        nh: usize,
+        nkv: usize,
+        hd: usize,
+        window: Option<usize>,
+    }
+
+    /// Builds a cache with scrambled block tables, fills every sequence's K/V (old and new
+    /// tokens), and compares paged attention with a dense reference computed in f64.
+    fn check(case: &Case, dtype: CacheDtype, seed: u64) {
+        let mut s = seed;
+        let (bs, nh, nkv, hd) = (case.block_size, case.nh, case.nkv, case.hd);
+        let blocks_needed: usize = case.seqs.iter().map(|&(c, n)| (c + n).div_ceil(bs)).sum();
+        let num_blocks = blocks_needed + 5;
+        let storage = KvStorage::new(&KvCacheConfig {
+            num_blocks,
+            groups: vec![KvCacheGroup {
+                group_id: 0,
+                spec: KvCacheSpec::FullAttention {
+                    block_size: bs,
+                    num_kv_heads: nkv,
+                    head_dim: hd,
+                    dtype,
+                },
+                layer_names: vec!["model.layers.0.self_attn".into()],
+            }],
+        })
+        .unwrap();
+        // scrambled block ids: a stride permutation of 0..num_blocks
+        let mut ids: Vec<u32> = (0..num_blocks as u32)
+            .map(|i| (i * 7 + 3) % num_blocks as u32)
+            .collect();
+        assert!(!num_blocks.is_multiple_of(7));
+        let mut tables = Vec::new();
+        let mut dense_k = Vec::new();
+        let mut dense_v = Vec::new();
+        for &(c, n) in &case.seqs {
+            let nb = (c + n).div_ceil(bs);
+            let table: Vec<u32> = ids.drain(..nb).collect();
+            let total = c + n;
+            let k: Vec<f32> = (0..total * nkv * hd).map(|_| lcg(&mut s)).collect();
+            let v: Vec<f32> = (0..total * nkv * hd).map(|_| lcg(&mut s)).collect();
+            let slots: Vec<usize> = (0..total)
+                .map(|j| table[j / bs] as usize * bs + j % bs)
+                .collect();
+            storage.write_slots(0, &slots, &k, &v).unwrap();
+            // the dense reference sees what the cache holds (rounded to its dtype)
+            let round = |x: &[f32]| {
+                let mut bytes = vec![0u8; x.len() * dtype.size()];
+                dtype.encode(x, &mut bytes);
+                let mut back = vec![0f32; x.len()];
+                dtype.decode(&bytes, &mut back);
+                back
+            };
+            dense_k.push(round(&k));
+            dense_v.push(round(&v));
+            tables.push(table);
+        }
+        let mut seq_batches = Vec::new();
+        let mut start = 0;
+        for (i, &(c, n)) in case.seqs.iter().enumerate() {
+            seq_batches.push(SeqBatch {
+                query_start: start,
+                query_len: n,
+                context_len: c + n,
+                block_table: &tables[i],
+            });
+            start += n;
+        }
+        let rows = start;
+        let q: Vec<f32> = (0..rows * nh * hd).map(|_| lcg(&mut s) * 2.0).collect();
+        let p = AttentionParams {
+            num_heads: nh,
+            num_kv_heads: nkv,
+            head_dim: hd,
+            scale: 1.0 / (hd as f32).sqrt(),
+            window: case.window,
+        };
+        let got = paged_attention(
+            &q,
+            &seq_batches,
+            LayerCache::from_storage(&storage, 0).unwrap(),
+            &p,
+        )
+        .unwrap();
+        // dense reference
+        let group = nh / nkv;
+        for (si, &(c, n)) in case.seqs.iter().enumerate() {
+            let (k, v) = (&dense_k[si], &dense_v[si]);
+            for i in 0..n {
+                let row = seq_batches[si].query_start + i;
+                let last = c + i;
+                let lo = case.window.map_or(0, |w| (last + 1).saturating_sub(w));
+                for h in 0..nh {
+                    let kvh = h / group;
+                    let qv = &q[(row * nh + h) * hd..(row * nh + h + 1) * hd];
+                    let sc: Vec<f64> = (lo..=last)
+                        .map(|j| {
+                            let kr = &k[(j * nkv + kvh) * hd..(j * nkv + kvh + 1) * hd];
+                            qv.iter()
+                                .zip(kr)
+                                .map(|(&a, &b)| a as f64 * b as f64)
+                                .sum::<f64>()
+                                * p.scale as f64
+                        })
+                        .collect();
+                    let m = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let e: Vec<f64> = sc.iter().map(|x| (x - m).exp()).collect();
+                    let z: f64 = e.iter().sum();
+                    for d in 0..hd {
+                        let want: f64 = (lo..=last)
+                            .zip(&e)
+                            .map(|(j, w)| w * v[(j * nkv + kvh) * hd + d] as f64)
+                            .sum::<f64>()
+                            / z;
+                        let g = got[(row * nh + h) * hd + d] as f64;
+                        assert!(
+                            (g - want).abs() < 1e-4,
+                            "{dtype} seq {si} query {i} head {h} dim {d}: {g} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn paged_matches_dense_for_mixed_prefill_and_decode() {
+        let case = Case {
+            // prefill from scratch (partial last block), decode, chunked prefill over a cached
+            // prefix, a long prefill spanning several query tiles
+            seqs: vec![(0, 5), (37, 1), (16, 9), (0, 40), (3, 1)],
+            block_size: 16,
+            nh: 6,
+            nkv: 2,
+            hd: 64,
+            window: None,
+        };
+        for dt in [CacheDtype::F32, CacheDtype::F16, CacheDtype::Bf16] {
+            check(&case, dt, 11);
+        }
+    }
+
+    #[test]
+    fn paged_matches_dense_with_tiny_blocks_mha_and_window() {
+        let case = Case {
+            seqs: vec![(10, 3), (0, 7), (1, 1)],
+            block_size: 4,
+            nh: 3,
+            nkv: 3,
+            hd: 8,
+            window: None,
+        };
+        check(&case, CacheDtype::F32, 5);
+        let case = Case {
+            window: Some(5),
+            block_size: 2,
+            nh: 4,
+            nkv: 1,
+            ..case
+        };
+        check(&case, CacheDtype::F32, 6);
+        check(&case, CacheDtype::Bf16, 7);
+    }
+
+    #[test]
+    fn a_query_does_not_depend_on_the_rest_of_the_batch() {
+        // the same sequence alone and behind another one gives bit-identical output
+        let storage = KvStorage::new(&KvCacheConfig {
+            num_blocks: 8,
+            groups: vec![KvCacheGroup {
+                group_id: 0,
+                spec: KvCacheSpec::FullAttention {
+                    block_size: 4,
+                    num_kv_heads: 1,
+                    head_dim: 16,
+                    dtype: CacheDtype::F32,
+                },
+                layer_names: vec!["layers.0".into()],
+            }],
+        })
+        .unwrap();
+        let mut s = 9;
+        let kv: Vec<f32> = (0..32 * 16).map(|_| lcg(&mut s)).collect();
+        let slots: Vec<usize> = (0..32).collect();
+        storage.write_slots(0, &slots, &kv, &kv).unwrap();
+        let q: Vec<f32> = (0..3 * 2 * 16).map(|_| lcg(&mut s)).collect();
+        let p = AttentionParams {
+            num_heads: 2,
+            num_kv_heads: 1,
+            head_dim: 16,
+            scale: 0.25,
+            window: None,
+        };
+        let (ta, tb) = ([0u32, 1, 2], [4u32, 5, 6, 7]);
+        let a = SeqBatch {
+            query_start: 0,
+            query_len: 2,
+            context_len: 10,
+            block_table: &ta,
+        };
+        let b = SeqBatch {
+            query_start: 2,
+            query_len: 1,
+            context_len: 15,
+            block_table: &tb,
+        };
+        let cache = LayerCache::from_storage(&storage, 0).unwrap();
+        let both = paged_attention(&q, &[a, b], cache, &p).unwrap();
+        let b_alone = SeqBatch {
+            query_start: 0,
+            ..b
+        };
+        let alone = paged_attention(&q[2 * 32..], &[b_alone], cache, &p).unwrap();
+        assert_eq!(&both[2 * 32..], &alone[..]);
+    }
+}

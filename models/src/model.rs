@@ -1,0 +1,151 @@
+//! The interface between the engine and a model: what one forward step takes and returns.
+//!
+//! A step flattens the tokens of many sequences (prefill chunks and decode tokens alike) into
+//! one batch. Invariants the engine guarantees and [`ForwardBatch::validate`] checks:
+//! - `token_ids`, `positions` and `slot_mapping` have one entry per token of the batch;
+//! - each sequence's tokens are the contiguous rows `query_start..query_start + query_len`,
+//!   sequences do not overlap, and they are the *last* `query_len` of the `context_len` tokens
+//!   the sequence has in the cache after this step (cache index of row `i` is
+//!   `context_len - query_len + (i - query_start)`);
+//! - the block table covers `context_len` tokens, and each token's slot is the slot of its cache
+//!   index under that block table.
+//!
+//! The model writes every token's K and V to its slot before any attention of that layer reads
+//! the cache, so a sequence attends to its own new tokens (causally) within the same step.
+
+use tandem_kv_cache::{CacheDtype, KvCacheGroup, KvStorage};
+
+use crate::error::ModelError;
+use crate::weights::WeightMode;
+
+/// One sequence's part of a [`ForwardBatch`].
+#[derive(Debug, Clone, Copy)]
+pub struct SeqBatch<'a> {
+    /// First row of this sequence in the flattened batch.
+    pub query_start: usize,
+    /// Number of rows (new tokens) of this sequence in the batch.
+    pub query_len: usize,
+    /// Tokens in the cache after this step, the new ones included.
+    pub context_len: usize,
+    /// Block ids of the sequence, in order: token `j` lives in `block_table[j / block_size]`.
+    pub block_table: &'a [u32],
+}
+
+/// The tokens of one step, flattened over all scheduled sequences.
+#[derive(Debug, Clone, Copy)]
+pub struct ForwardBatch<'a> {
+    pub token_ids: &'a [u32],
+    /// RoPE position of each token.
+    pub positions: &'a [usize],
+    /// Cache slot of each token: `block * block_size + offset`.
+    pub slot_mapping: &'a [usize],
+    pub seqs: &'a [SeqBatch<'a>],
+    /// Rows of the flattened batch whose logits are returned, in this order.
+    pub logits_indices: &'a [usize],
+}
+
+impl ForwardBatch<'_> {
+    pub fn num_tokens(&self) -> usize {
+        self.token_ids.len()
+    }
+
+    /// Checks the invariants of the module docs against a cache with `block_size` tokens per block.
+    pub fn validate(&self, block_size: usize, max_positions: usize) -> Result<(), ModelError> {
+        let n = self.token_ids.len();
+        let bad = |msg: String| Err(ModelError::InvalidBatch(msg));
+        if self.positions.len() != n || self.slot_mapping.len() != n {
+            return bad(format!(
+                "{} tokens but {} positions and {} slots",
+                n,
+                self.positions.len(),
+                self.slot_mapping.len()
+            ));
+        }
+        if let Some(&p) = self.positions.iter().find(|&&p| p >= max_positions) {
+            return bad(format!(
+                "position {p} is beyond the model's {max_positions} positions"
+            ));
+        }
+        let mut covered = vec![false; n];
+        for (s, seq) in self.seqs.iter().enumerate() {
+            let end = seq.query_start + seq.query_len;
+            if end > n {
+                return bad(format!(
+                    "sequence {s} rows {}..{end} exceed {n}",
+                    seq.query_start
+                ));
+            }
+            if seq.query_len > seq.context_len {
+                return bad(format!(
+                    "sequence {s}: query_len {} > context_len {}",
+                    seq.query_len, seq.context_len
+                ));
+            }
+            if seq.block_table.len() * block_size < seq.context_len {
+                return bad(format!(
+                    "sequence {s}: {} blocks cannot hold {} tokens",
+                    seq.block_table.len(),
+                    seq.context_len
+                ));
+            }
+            let first = seq.context_len - seq.query_len;
+            for (i, row) in (seq.query_start..end).enumerate() {
+                if std::mem::replace(&mut covered[row], true) {
+                    return bad(format!("row {row} belongs to two sequences"));
+                }
+                let idx = first + i;
+                let want =
+                    seq.block_table[idx / block_size] as usize * block_size + idx % block_size;
+                if self.slot_mapping[row] != want {
+                    return bad(format!(
+                        "sequence {s} row {row}: slot {} but its block table says {want}",
+                        self.slot_mapping[row]
+                    ));
+                }
+            }
+        }
+        if let Some(row) = covered.iter().position(|c| !c) {
+            return bad(format!("row {row} belongs to no sequence"));
+        }
+        if let Some(&r) = self.logits_indices.iter().find(|&&r| r >= n) {
+            return bad(format!("logits index {r} out of {n} rows"));
+        }
+        Ok(())
+    }
+}
+
+/// Shape and identity of a loaded model, as the engine and server need them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelInfo {
+    /// Architecture family, e.g. `llama`.
+    pub architecture: String,
+    pub num_layers: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab_size: usize,
+    /// The context length the model was trained for (the engine's max model length).
+    pub max_position_embeddings: usize,
+    pub rope_theta: f32,
+    pub rms_norm_eps: f32,
+    pub tie_word_embeddings: bool,
+    /// How the weights are held in memory.
+    pub weight_mode: WeightMode,
+    /// Bytes of weights the forward pass reads per step (all matrices and the embedding table).
+    pub weight_bytes: usize,
+}
+
+/// A causal language model that reads and writes the engine's paged KV cache.
+pub trait CausalLm: Send + Sync {
+    fn info(&self) -> &ModelInfo;
+
+    /// The KV cache groups this model needs: the engine allocates a [`KvStorage`] from them.
+    /// Storage layer `i` (in the order of the groups' layer names) is model layer `i`.
+    fn kv_cache_groups(&self, block_size: usize, dtype: CacheDtype) -> Vec<KvCacheGroup>;
+
+    /// Runs one step: writes the K and V of every token of `batch` to its slot, and returns the
+    /// logits of the rows `batch.logits_indices`, `[logits_indices.len(), vocab_size]` row-major.
+    fn forward(&self, batch: &ForwardBatch, kv: &KvStorage) -> Result<Vec<f32>, ModelError>;
+}

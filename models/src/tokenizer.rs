@@ -1,0 +1,412 @@
+//! Text ↔ token ids: the model's tokenizer, its special ids, its chat template, and an
+//! incremental detokenizer for streaming.
+//!
+//! Built with the `tokenizers` crate, either from a `tokenizer.json` or from GGUF metadata
+//! (byte-level BPE: vocab, merges, control tokens as special tokens, the pre-tokenizer chosen by
+//! `tokenizer.ggml.pre`). candle's `Tokenizer::from_gguf` is not used: it adds a prefix space
+//! for SmolLM2 and gets ids wrong (research/candle-cpu.md).
+//!
+//! Invariants: `stop_token_ids` always contains the EOS ids; special tokens written in the text
+//! (e.g. `<|im_start|>`) are always encoded as their ids, `add_special_tokens` only controls BOS;
+//! the incremental detokenizer emits text only once it is stable (no partial UTF-8), and the
+//! concatenation of everything it emits equals `decode` of all ids pushed.
+
+use std::path::Path;
+
+use tokenizers::decoders::byte_level::ByteLevel;
+use tokenizers::models::bpe::BPE;
+use tokenizers::pre_tokenizers::digits::Digits;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::pre_tokenizers::PreTokenizerWrapper;
+use tokenizers::{AddedToken, SplitDelimiterBehavior, Tokenizer};
+
+use crate::chat_template::{ChatMessage, ChatTemplate};
+use crate::error::ModelError;
+use crate::gguf::GgufFile;
+
+/// Tokens that end a turn in common chat formats; when present as special tokens they are
+/// stop ids in addition to the declared EOS.
+const END_OF_TURN_TOKENS: &[&str] = &[
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end_of_text|>",
+    "<end_of_turn>",
+    "<|end|>",
+];
+
+/// GGUF token types (llama.cpp's `llama_token_type`).
+const TOKEN_TYPE_CONTROL: i64 = 3;
+const TOKEN_TYPE_USER_DEFINED: i64 = 4;
+
+/// A model's tokenizer with its special ids and chat template.
+pub struct TextTokenizer {
+    inner: Tokenizer,
+    bos_id: Option<u32>,
+    /// Prepend BOS when encoding with special tokens (GGUF; tokenizer.json has a post-processor).
+    manual_bos: bool,
+    eos_ids: Vec<u32>,
+    stop_ids: Vec<u32>,
+    chat_template: Option<ChatTemplate>,
+}
+
+impl std::fmt::Debug for TextTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TextTokenizer")
+            .field("vocab_size", &self.vocab_size())
+            .field("bos_id", &self.bos_id)
+            .field("eos_ids", &self.eos_ids)
+            .field("stop_ids", &self.stop_ids)
+            .field("chat_template", &self.chat_template.is_some())
+            .finish()
+    }
+}
+
+fn tok_err(e: impl std::fmt::Display) -> ModelError {
+    ModelError::Tokenizer(e.to_string())
+}
+
+/// The pre-tokenizer llama.cpp's `tokenizer.ggml.pre` names, as HF tokenizer.json files spell it.
+fn pre_tokenizer_for(pre: &str) -> Result<PreTokenizerWrapper, ModelError> {
+    let byte_level = |use_regex| ByteLevel::new(false, true, use_regex).into();
+    let split = |re: &str| -> Result<PreTokenizerWrapper, ModelError> {
+        Ok(Split::new(
+            SplitPattern::Regex(re.to_owned()),
+            SplitDelimiterBehavior::Isolated,
+            false,
+        )
+        .map_err(tok_err)?
+        .into())
+    };
+    Ok(match pre {
+        // SmolLM / StarCoder family: single digits, then GPT-2 byte level
+        "smollm" | "starcoder" | "refact" => {
+            Sequence::new(vec![Digits::new(true).into(), byte_level(true)]).into()
+        }
+        "llama3" | "llama-bpe" | "llama-v3" | "dbrx" | "smaug-bpe" => Sequence::new(vec![
+            split(r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")?,
+            byte_level(false),
+        ])
+        .into(),
+        "qwen2" => Sequence::new(vec![
+            split(r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")?,
+            byte_level(false),
+        ])
+        .into(),
+        _ => byte_level(true),
+    })
+}
+
+impl TextTokenizer {
+    /// Builds the tokenizer from GGUF metadata (`tokenizer.ggml.*`, `tokenizer.chat_template`).
+    pub fn from_gguf(g: &GgufFile) -> Result<Self, ModelError> {
+        let model = g.str("tokenizer.ggml.model")?;
+        if model != "gpt2" {
+            return Err(ModelError::Unsupported(format!(
+                "GGUF tokenizer model `{model}` (only byte-level BPE `gpt2` is built from GGUF \
+                 metadata; use a Hugging Face directory with tokenizer.json)"
+            )));
+        }
+        let tokens = g.str_array("tokenizer.ggml.tokens")?;
+        let merges: Vec<(String, String)> = g
+            .str_array("tokenizer.ggml.merges")?
+            .into_iter()
+            .map(|m| {
+                m.split_once(' ')
+                    .map(|(a, b)| (a.to_owned(), b.to_owned()))
+                    .ok_or_else(|| ModelError::format(format!("bad merge `{m}`")))
+            })
+            .collect::<Result<_, _>>()?;
+        let types = g
+            .opt_int_array("tokenizer.ggml.token_type")
+            .unwrap_or_else(|| vec![1; tokens.len()]);
+        let vocab: tokenizers::models::bpe::Vocab = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.clone(), i as u32))
+            .collect();
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, merges)
+            .build()
+            .map_err(tok_err)?;
+        let mut inner = Tokenizer::new(bpe);
+        let pre = g.opt_str("tokenizer.ggml.pre").unwrap_or("default");
+        inner.with_pre_tokenizer(Some(pre_tokenizer_for(pre)?));
+        inner.with_decoder(Some(ByteLevel::default()));
+        let special: Vec<AddedToken> = tokens
+            .iter()
+            .zip(&types)
+            .filter(|(_, &t)| t == TOKEN_TYPE_CONTROL)
+            .map(|(s, _)| AddedToken::from(s.clone(), true))
+            .collect();
+        inner.add_special_tokens(special).map_err(tok_err)?;
+        let user: Vec<AddedToken> = tokens
+            .iter()
+            .zip(&types)
+            .filter(|(_, &t)| t == TOKEN_TYPE_USER_DEFINED)
+            .map(|(s, _)| AddedToken::from(s.clone(), false))
+            .collect();
+        inner.add_tokens(user).map_err(tok_err)?;
+
+        let id = |key: &str| g.opt_usize(key).map(|x| x as u32);
+        let bos_id = id("tokenizer.ggml.bos_token_id");
+        let mut eos_ids: Vec<u32> = id("tokenizer.ggml.eos_token_id").into_iter().collect();
+        for key in ["tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"] {
+            eos_ids.extend(id(key));
+        }
+        let add_bos = g.opt_bool("tokenizer.ggml.add_bos_token").unwrap_or(false);
+        let name_of = |i: Option<u32>| {
+            i.and_then(|i| tokens.get(i as usize).cloned())
+                .unwrap_or_default()
+        };
+        let chat_template = g
+            .opt_str("tokenizer.chat_template")
+            .map(|src| ChatTemplate::new(src, &name_of(bos_id), &name_of(eos_ids.first().copied())))
+            .transpose()?;
+        Self::assemble(inner, bos_id, add_bos, eos_ids, chat_template)
+    }
+
+    /// Builds the tokenizer from a Hugging Face model directory: `tokenizer.json`, and the special
+    /// ids and chat template from `tokenizer_config.json`, `generation_config.json`, `config.json`.
+    pub fn from_hf_dir(dir: &Path) -> Result<Self, ModelError> {
+        let path = dir.join("tokenizer.json");
+        let inner = Tokenizer::from_file(&path)
+            .map_err(|e| ModelError::Tokenizer(format!("{}: {e}", path.display())))?;
+        let read_json = |name: &str| -> Option<serde_json::Value> {
+            let text = std::fs::read_to_string(dir.join(name)).ok()?;
+            serde_json::from_str(&text).ok()
+        };
+        let tcfg = read_json("tokenizer_config.json").unwrap_or_default();
+        let gen = read_json("generation_config.json").unwrap_or_default();
+        let cfg = read_json("config.json").unwrap_or_default();
+        let token_str = |v: &serde_json::Value| -> Option<String> {
+            match v {
+                serde_json::Value::String(s) => Some(s.clone()),
+                serde_json::Value::Object(o) => o.get("content")?.as_str().map(str::to_owned),
+                _ => None,
+            }
+        };
+        let ids = |v: &serde_json::Value| -> Vec<u32> {
+            match v {
+                serde_json::Value::Number(n) => n.as_u64().map(|x| x as u32).into_iter().collect(),
+                serde_json::Value::Array(a) => a
+                    .iter()
+                    .filter_map(|x| x.as_u64())
+                    .map(|x| x as u32)
+                    .collect(),
+                _ => Vec::new(),
+            }
+        };
+        let bos_str = tcfg.get("bos_token").and_then(token_str);
+        let eos_str = tcfg.get("eos_token").and_then(token_str);
+        let bos_id = bos_str
+            .as_deref()
+            .and_then(|s| inner.token_to_id(s))
+            .or_else(|| ids(&cfg["bos_token_id"]).first().copied());
+        let mut eos_ids = ids(&gen["eos_token_id"]);
+        eos_ids.extend(ids(&cfg["eos_token_id"]));
+        eos_ids.extend(eos_str.as_deref().and_then(|s| inner.token_to_id(s)));
+        let template_src = match tcfg.get("chat_template") {
+            Some(serde_json::Value::String(s)) => Some(s.clone()),
+            Some(serde_json::Value::Array(named)) => named
+                .iter()
+                .find(|t| t["name"] == "default")
+                .and_then(|t| t["template"].as_str())
+                .map(str::to_owned),
+            _ => std::fs::read_to_string(dir.join("chat_template.jinja")).ok(),
+        };
+        let chat_template = template_src
+            .map(|src| {
+                ChatTemplate::new(
+                    &src,
+                    bos_str.as_deref().unwrap_or(""),
+                    eos_str.as_deref().unwrap_or(""),
+                )
+            })
+            .transpose()?;
+        let mut t = Self::assemble(inner, bos_id, false, eos_ids, chat_template)?;
+        t.manual_bos = false;
+        Ok(t)
+    }
+
+    fn assemble(
+        inner: Tokenizer,
+        bos_id: Option<u32>,
+        add_bos: bool,
+        mut eos_ids: Vec<u32>,
+        chat_template: Option<ChatTemplate>,
+    ) -> Result<Self, ModelError> {
+        dedup(&mut eos_ids);
+        if eos_ids.is_empty() {
+            return Err(ModelError::Tokenizer(
+                "the model declares no EOS token".into(),
+            ));
+        }
+        let specials = inner.get_added_tokens_decoder();
+        let mut stop_ids = eos_ids.clone();
+        for name in END_OF_TURN_TOKENS {
+            if let Some(id) = inner.token_to_id(name) {
+                if specials.get(&id).is_some_and(|t| t.special) {
+                    stop_ids.push(id);
+                }
+            }
+        }
+        dedup(&mut stop_ids);
+        Ok(TextTokenizer {
+            inner,
+            bos_id,
+            manual_bos: add_bos && bos_id.is_some(),
+            eos_ids,
+            stop_ids,
+            chat_template,
+        })
+    }
+
+    /// Token ids of `text`. Special tokens written in the text are always recognized;
+    /// `add_special_tokens` adds the BOS (or whatever the tokenizer's post-processor adds).
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, ModelError> {
+        let enc = self
+            .inner
+            .encode_fast(text, add_special_tokens)
+            .map_err(tok_err)?;
+        let mut ids = Vec::with_capacity(enc.len() + 1);
+        if add_special_tokens && self.manual_bos {
+            ids.extend(self.bos_id);
+        }
+        ids.extend_from_slice(enc.get_ids());
+        Ok(ids)
+    }
+
+    pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String, ModelError> {
+        self.inner.decode(ids, skip_special_tokens).map_err(tok_err)
+    }
+
+    /// Number of ids the tokenizer knows (vocabulary and added tokens).
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+    pub fn id_to_token(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+    pub fn bos_token_id(&self) -> Option<u32> {
+        self.bos_id
+    }
+    /// Whether `encode(.., true)` prepends BOS (for GGUF: `tokenizer.ggml.add_bos_token`).
+    pub fn adds_bos(&self) -> bool {
+        self.manual_bos
+    }
+    /// The declared EOS id(s), the primary one first.
+    pub fn eos_token_ids(&self) -> &[u32] {
+        &self.eos_ids
+    }
+    /// Every id that ends generation: EOS ids and the model's end-of-turn tokens
+    /// (e.g. `<|im_end|>` and `<|endoftext|>` for SmolLM2).
+    pub fn stop_token_ids(&self) -> &[u32] {
+        &self.stop_ids
+    }
+    /// Whether `id` is a special (control) token.
+    pub fn is_special(&self, id: u32) -> bool {
+        self.inner
+            .get_added_tokens_decoder()
+            .get(&id)
+            .is_some_and(|t| t.special)
+    }
+    /// The underlying `tokenizers` tokenizer.
+    pub fn inner(&self) -> &Tokenizer {
+        &self.inner
+    }
+
+    pub fn chat_template(&self) -> Option<&ChatTemplate> {
+        self.chat_template.as_ref()
+    }
+
+    /// Renders a conversation with the model's chat template.
+    pub fn apply_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, ModelError> {
+        self.chat_template
+            .as_ref()
+            .ok_or_else(|| ModelError::Template("the model has no chat template".into()))?
+            .render(messages, add_generation_prompt)
+    }
+}
+
+fn dedup(ids: &mut Vec<u32>) {
+    let mut seen = std::collections::HashSet::new();
+    ids.retain(|i| seen.insert(*i));
+}
+
+/// Turns a stream of token ids into text pieces that are safe to send: a piece is emitted only
+/// when the text decoded so far is stable (does not end in an incomplete UTF-8 sequence).
+///
+/// It keeps a short window of ids (from the last emitted boundary) and decodes it twice per
+/// token, so its cost does not grow with the length of the output.
+#[derive(Debug, Clone)]
+pub struct IncrementalDetokenizer {
+    ids: Vec<u32>,
+    /// Window start: ids before it were emitted and are dropped.
+    prefix_offset: usize,
+    /// Ids before this have been emitted as text.
+    read_offset: usize,
+    skip_special_tokens: bool,
+}
+
+impl IncrementalDetokenizer {
+    pub fn new(skip_special_tokens: bool) -> Self {
+        IncrementalDetokenizer {
+            ids: Vec::new(),
+            prefix_offset: 0,
+            read_offset: 0,
+            skip_special_tokens,
+        }
+    }
+
+    /// Adds one id; returns new text if it became stable.
+    pub fn push(&mut self, tok: &TextTokenizer, id: u32) -> Result<Option<String>, ModelError> {
+        self.ids.push(id);
+        let prefix = tok.decode(
+            &self.ids[self.prefix_offset..self.read_offset],
+            self.skip_special_tokens,
+        )?;
+        let full = tok.decode(&self.ids[self.prefix_offset..], self.skip_special_tokens)?;
+        if full.len() > prefix.len()
+            && !full.ends_with('\u{FFFD}')
+            && full.is_char_boundary(prefix.len())
+        {
+            let piece = full[prefix.len()..].to_owned();
+            // keep the last emitted token as context for the next decode
+            self.prefix_offset = self.read_offset;
+            self.read_offset = self.ids.len();
+            if self.prefix_offset > 0 {
+                self.ids.drain(..self.prefix_offset);
+                self.read_offset -= self.prefix_offset;
+                self.prefix_offset = 0;
+            }
+            return Ok(Some(piece));
+        }
+        Ok(None)
+    }
+
+    /// Text held back at the end of the stream (e.g. an incomplete UTF-8 sequence, decoded
+    /// with replacement characters).
+    pub fn flush(&mut self, tok: &TextTokenizer) -> Result<Option<String>, ModelError> {
+        let prefix = tok.decode(
+            &self.ids[self.prefix_offset..self.read_offset],
+            self.skip_special_tokens,
+        )?;
+        let full = tok.decode(&self.ids[self.prefix_offset..], self.skip_special_tokens)?;
+        self.prefix_offset = self.ids.len();
+        self.read_offset = self.ids.len();
+        Ok(full
+            .get(prefix.len()..)
+            .filter(|s| !s.is_empty())
+            .map(str::to_owned))
+    }
+}

@@ -1,0 +1,410 @@
+//! Weight matrices as the forward pass holds them, and how they are built at load time.
+//!
+//! A [`HostMatrix`] is a loaded `[rows, cols]` matrix (rows = output features) in the file's
+//! storage type; row operations (permute, concatenate) work on it before it becomes a [`Linear`]
+//! in the chosen [`WeightMode`]:
+//! - `F32`: dequantized to f32 (the accuracy mode);
+//! - `Q8_0`: re-quantized to Q8_0; when `cols` is not a multiple of 256 the matrix is zero-padded
+//!   to the next multiple (and inputs are padded likewise), which lets candle use its
+//!   AVX512-VNNI tiled kernels: ~10x faster than the unpadded Q8_0 kernel for batched rows
+//!   (see BENCHMARKS.md); the padding adds zeros only, so results are those of the unpadded
+//!   matrix with activations quantized per 256 values;
+//! - `Native`: kept in the file's quantized type (smallest, but Q4_1/Q5_x kernels are scalar).
+//!
+//! Invariant: a `Linear` computes every input row independently of the other rows, so a
+//! token's output does not depend on what else is in the batch.
+
+use std::borrow::Cow;
+use std::sync::Arc;
+
+use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
+use candle_core::{Device, Module, Tensor};
+
+use crate::error::ModelError;
+
+/// How weights are held in memory. See the module docs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum WeightMode {
+    /// Everything dequantized to f32: the accuracy mode.
+    F32,
+    /// Matrices re-quantized to Q8_0 (padded for the VNNI kernels): the default on CPU.
+    #[default]
+    Q8_0,
+    /// Matrices kept in the file's quantized type; f32 for unquantized (safetensors) files.
+    Native,
+}
+
+impl WeightMode {
+    /// Parses `f32`, `q8_0`/`q8`, `native`/`gguf`.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "f32" | "float32" => Some(WeightMode::F32),
+            "q8_0" | "q8" => Some(WeightMode::Q8_0),
+            "native" | "gguf" => Some(WeightMode::Native),
+            _ => None,
+        }
+    }
+    pub const fn name(self) -> &'static str {
+        match self {
+            WeightMode::F32 => "f32",
+            WeightMode::Q8_0 => "q8_0",
+            WeightMode::Native => "native",
+        }
+    }
+}
+
+impl std::fmt::Display for WeightMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The storage of a [`HostMatrix`].
+#[derive(Debug, Clone)]
+pub(crate) enum MatData {
+    F32(Vec<f32>),
+    /// Whole quantized blocks, row after row (`cols` is a multiple of the block size).
+    Quant {
+        dtype: GgmlDType,
+        bytes: Vec<u8>,
+    },
+}
+
+/// A `[rows, cols]` matrix loaded from a file, row-major.
+#[derive(Debug, Clone)]
+pub(crate) struct HostMatrix {
+    pub rows: usize,
+    pub cols: usize,
+    pub data: MatData,
+}
+
+impl HostMatrix {
+    pub fn from_f32(rows: usize, cols: usize, data: Vec<f32>) -> Result<Self, ModelError> {
+        if data.len() != rows * cols {
+            return Err(ModelError::format(format!(
+                "matrix [{rows}, {cols}] given {} values",
+                data.len()
+            )));
+        }
+        Ok(HostMatrix {
+            rows,
+            cols,
+            data: MatData::F32(data),
+        })
+    }
+
+    /// From a 2-D quantized tensor (`[rows, cols]` in candle's order).
+    pub fn from_qtensor(t: &QTensor) -> Result<Self, ModelError> {
+        let (rows, cols) = t.shape().dims2()?;
+        let data = match t.dtype() {
+            GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => {
+                MatData::F32(t.dequantize(&Device::Cpu)?.flatten_all()?.to_vec1()?)
+            }
+            dtype => MatData::Quant {
+                dtype,
+                bytes: t.data()?.into_owned(),
+            },
+        };
+        Ok(HostMatrix { rows, cols, data })
+    }
+
+    fn row_bytes(&self) -> usize {
+        match &self.data {
+            MatData::F32(_) => self.cols * 4,
+            MatData::Quant { dtype, .. } => self.cols / dtype.block_size() * dtype.type_size(),
+        }
+    }
+
+    /// The values as f32 (dequantizing if needed).
+    pub fn to_f32(&self) -> Result<Vec<f32>, ModelError> {
+        match &self.data {
+            MatData::F32(v) => Ok(v.clone()),
+            MatData::Quant { dtype, bytes } => {
+                let q = quant_tensor(*dtype, bytes, self.rows, self.cols)?;
+                Ok(q.dequantize(&Device::Cpu)?.flatten_all()?.to_vec1()?)
+            }
+        }
+    }
+
+    /// Row `r` of the result is row `src[r]` of `self`.
+    pub fn permute_rows(&self, src: &[usize]) -> Self {
+        debug_assert_eq!(src.len(), self.rows);
+        let data = match &self.data {
+            MatData::F32(v) => MatData::F32(
+                src.iter()
+                    .flat_map(|&r| v[r * self.cols..(r + 1) * self.cols].iter().copied())
+                    .collect(),
+            ),
+            MatData::Quant { dtype, bytes } => {
+                let rb = self.row_bytes();
+                MatData::Quant {
+                    dtype: *dtype,
+                    bytes: src
+                        .iter()
+                        .flat_map(|&r| bytes[r * rb..(r + 1) * rb].iter().copied())
+                        .collect(),
+                }
+            }
+        };
+        HostMatrix {
+            rows: self.rows,
+            cols: self.cols,
+            data,
+        }
+    }
+
+    /// Stacks matrices with equal `cols` row-wise. Quantized rows are kept when all parts share
+    /// one quantized type; otherwise the result is f32.
+    pub fn concat_rows(parts: &[HostMatrix]) -> Result<Self, ModelError> {
+        let cols = parts[0].cols;
+        if parts.iter().any(|p| p.cols != cols) {
+            return Err(ModelError::format("concatenated matrices differ in width"));
+        }
+        let rows = parts.iter().map(|p| p.rows).sum();
+        let same_quant = match &parts[0].data {
+            MatData::Quant { dtype, .. } => parts
+                .iter()
+                .all(|p| matches!(&p.data, MatData::Quant { dtype: d, .. } if d == dtype))
+                .then_some(*dtype),
+            MatData::F32(_) => None,
+        };
+        let data = match same_quant {
+            Some(dtype) => MatData::Quant {
+                dtype,
+                bytes: parts
+                    .iter()
+                    .flat_map(|p| match &p.data {
+                        MatData::Quant { bytes, .. } => bytes.iter().copied(),
+                        MatData::F32(_) => unreachable!("checked above"),
+                    })
+                    .collect(),
+            },
+            None => {
+                let mut v = Vec::with_capacity(rows * cols);
+                for p in parts {
+                    v.extend(p.to_f32()?);
+                }
+                MatData::F32(v)
+            }
+        };
+        Ok(HostMatrix { rows, cols, data })
+    }
+
+    /// Builds the forward-pass form of this matrix.
+    pub fn into_linear(self, mode: WeightMode) -> Result<Linear, ModelError> {
+        let (rows, cols) = (self.rows, self.cols);
+        let weight = match (mode, self.data) {
+            (WeightMode::F32, data) | (WeightMode::Native, data @ MatData::F32(_)) => {
+                let v = match data {
+                    MatData::F32(v) => v,
+                    MatData::Quant { dtype, bytes } => quant_tensor(dtype, &bytes, rows, cols)?
+                        .dequantize(&Device::Cpu)?
+                        .flatten_all()?
+                        .to_vec1()?,
+                };
+                Weight::F32(Tensor::from_vec(v, (rows, cols), &Device::Cpu)?)
+            }
+            (WeightMode::Native, MatData::Quant { dtype, bytes }) => {
+                Weight::Quant(Arc::new(quant_tensor(dtype, &bytes, rows, cols)?))
+            }
+            (WeightMode::Q8_0, data) => {
+                let v = match data {
+                    MatData::F32(v) => v,
+                    MatData::Quant { dtype, bytes } => quant_tensor(dtype, &bytes, rows, cols)?
+                        .dequantize(&Device::Cpu)?
+                        .flatten_all()?
+                        .to_vec1()?,
+                };
+                let padded = q8_padded_cols(rows, cols);
+                let v = if padded == cols {
+                    v
+                } else {
+                    let mut p = vec![0f32; rows * padded];
+                    for (dst, src) in p.chunks_exact_mut(padded).zip(v.chunks_exact(cols)) {
+                        dst[..cols].copy_from_slice(src);
+                    }
+                    p
+                };
+                let t = Tensor::from_vec(v, (rows, padded), &Device::Cpu)?;
+                Weight::Quant(Arc::new(QTensor::quantize(&t, GgmlDType::Q8_0)?))
+            }
+        };
+        Ok(Linear {
+            weight,
+            in_dim: cols,
+            out_dim: rows,
+        })
+    }
+}
+
+/// The width a Q8_0 matrix is stored with: padded to a multiple of 256 where candle's tiled
+/// VNNI kernels then apply (rows a multiple of 16), unpadded otherwise.
+fn q8_padded_cols(rows: usize, cols: usize) -> usize {
+    if rows.is_multiple_of(16) && cols.is_multiple_of(32) {
+        cols.div_ceil(256) * 256
+    } else {
+        cols
+    }
+}
+
+fn quant_tensor(
+    dtype: GgmlDType,
+    bytes: &[u8],
+    rows: usize,
+    cols: usize,
+) -> Result<QTensor, ModelError> {
+    let storage = QStorage::from_data(Cow::Borrowed(bytes), &Device::Cpu, dtype)?;
+    Ok(QTensor::new(storage, (rows, cols))?)
+}
+
+#[derive(Debug, Clone)]
+enum Weight {
+    /// `[out, in]` f32.
+    F32(Tensor),
+    /// `[out, in_padded]` quantized.
+    Quant(Arc<QTensor>),
+}
+
+/// `y = x Wᵀ` for a weight `W` of `[out_dim, in_dim]`.
+#[derive(Debug, Clone)]
+pub(crate) struct Linear {
+    weight: Weight,
+    in_dim: usize,
+    out_dim: usize,
+}
+
+impl Linear {
+    /// The width the weight is stored with (`in_dim` or padded).
+    fn stored_in_dim(&self) -> usize {
+        match &self.weight {
+            Weight::F32(_) => self.in_dim,
+            Weight::Quant(q) => q.shape().dims()[1],
+        }
+    }
+
+    /// Bytes of the weight in memory.
+    pub fn bytes(&self) -> usize {
+        match &self.weight {
+            Weight::F32(t) => t.elem_count() * 4,
+            Weight::Quant(q) => q.storage_size_in_bytes(),
+        }
+    }
+
+    /// `x` holds `m` rows of `in_dim`; returns `m` rows of `out_dim`.
+    pub fn forward(&self, x: &[f32], m: usize) -> Result<Vec<f32>, ModelError> {
+        debug_assert_eq!(x.len(), m * self.in_dim);
+        if m == 0 {
+            return Ok(Vec::new());
+        }
+        let k = self.stored_in_dim();
+        let input = if k == self.in_dim {
+            x.to_vec()
+        } else {
+            let mut p = vec![0f32; m * k];
+            for (dst, src) in p.chunks_exact_mut(k).zip(x.chunks_exact(self.in_dim)) {
+                dst[..self.in_dim].copy_from_slice(src);
+            }
+            p
+        };
+        let xt = Tensor::from_vec(input, (m, k), &Device::Cpu)?;
+        let y = match &self.weight {
+            Weight::F32(w) => xt.matmul(&w.t()?)?,
+            Weight::Quant(q) => QMatMul::QTensor(q.clone()).forward(&xt)?,
+        };
+        Ok(y.flatten_all()?.to_vec1()?)
+    }
+
+    /// Rows `ids` of the weight as f32 (`[ids.len(), in_dim]`): an embedding lookup when the
+    /// weight is a (tied) embedding table.
+    pub fn rows(&self, ids: &[u32]) -> Result<Vec<f32>, ModelError> {
+        if let Some(&bad) = ids.iter().find(|&&i| i as usize >= self.out_dim) {
+            return Err(ModelError::InvalidBatch(format!(
+                "token id {bad} is outside the vocabulary of {}",
+                self.out_dim
+            )));
+        }
+        let idx = Tensor::new(ids, &Device::Cpu)?;
+        let rows = match &self.weight {
+            Weight::F32(w) => w.index_select(&idx, 0)?,
+            Weight::Quant(q) => q.embedding(&idx)?,
+        };
+        let k = self.stored_in_dim();
+        let rows = if k == self.in_dim {
+            rows
+        } else {
+            rows.narrow(1, 0, self.in_dim)?
+        };
+        Ok(rows.flatten_all()?.to_vec1()?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn matrix(rows: usize, cols: usize) -> HostMatrix {
+        let v = (0..rows * cols)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0)
+            .collect();
+        HostMatrix::from_f32(rows, cols, v).unwrap()
+    }
+
+    fn naive(m: &HostMatrix, x: &[f32]) -> Vec<f32> {
+        let w = m.to_f32().unwrap();
+        x.chunks_exact(m.cols)
+            .flat_map(|row| {
+                w.chunks_exact(m.cols)
+                    .map(|wr| wr.iter().zip(row).map(|(a, b)| a * b).sum::<f32>())
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn every_mode_computes_x_w_transposed() {
+        let m = matrix(32, 96); // 96 is padded to 256 in Q8_0
+        let x: Vec<f32> = (0..3 * 96).map(|i| (i as f32 * 0.37).sin()).collect();
+        let want = naive(&m, &x);
+        for mode in [WeightMode::F32, WeightMode::Q8_0, WeightMode::Native] {
+            let lin = m.clone().into_linear(mode).unwrap();
+            let got = lin.forward(&x, 3).unwrap();
+            let tol = if mode == WeightMode::Q8_0 { 0.1 } else { 1e-4 };
+            for (g, w) in got.iter().zip(&want) {
+                assert!((g - w).abs() < tol, "{mode}: {g} vs {w}");
+            }
+            // rows are computed independently of the batch
+            let solo = lin.forward(&x[96..192], 1).unwrap();
+            assert_eq!(&got[32..64], &solo[..], "{mode}");
+        }
+    }
+
+    #[test]
+    fn embedding_rows_drop_the_padding() {
+        let m = matrix(32, 64);
+        for mode in [WeightMode::F32, WeightMode::Q8_0] {
+            let lin = m.clone().into_linear(mode).unwrap();
+            let rows = lin.rows(&[3, 0]).unwrap();
+            assert_eq!(rows.len(), 2 * 64);
+            let w = m.to_f32().unwrap();
+            for (g, e) in rows[..64].iter().zip(&w[3 * 64..4 * 64]) {
+                assert!((g - e).abs() < 0.01);
+            }
+            assert!(lin.rows(&[32]).is_err());
+        }
+    }
+
+    #[test]
+    fn permute_and_concat_rows_of_quantized_matrices() {
+        let m = matrix(4, 32);
+        let q = Tensor::from_vec(m.to_f32().unwrap(), (4, 32), &Device::Cpu).unwrap();
+        let q = HostMatrix::from_qtensor(&QTensor::quantize(&q, GgmlDType::Q8_0).unwrap()).unwrap();
+        let p = q.permute_rows(&[2, 0, 3, 1]);
+        let (a, b) = (q.to_f32().unwrap(), p.to_f32().unwrap());
+        assert_eq!(&b[..32], &a[64..96]);
+        assert_eq!(&b[96..], &a[32..64]);
+        let c = HostMatrix::concat_rows(&[q.clone(), p]).unwrap();
+        assert!(matches!(c.data, MatData::Quant { .. }));
+        assert_eq!(c.rows, 8);
+        assert_eq!(&c.to_f32().unwrap()[..128], &a[..]);
+    }
+}

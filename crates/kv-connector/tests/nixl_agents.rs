@@ -92,6 +92,32 @@ fn write_pushes_blocks_into_the_peer_and_notifies_it() {
 }
 
 #[test]
+fn a_consumer_without_progress_thread_reads_and_its_notifications_still_arrive() {
+    // Pull mode's consumer only initiates and polls, so it may run without a progress thread
+    // (faster on few cores); its notifications must reach the producer without further calls.
+    let p_mem = small_storage();
+    let c_mem = small_storage();
+    fill_random(&p_mem, 4);
+    let producer = agent("prefill", p_mem.clone());
+    let mut cfg = NixlAgentConfig::new("decode", MODEL);
+    cfg.progress_thread = false;
+    let consumer = agent_with(cfg, c_mem.clone());
+    let peer = connect(&consumer, &producer);
+    for (i, size) in [8usize, 32 * 1024, 1 << 20].into_iter().enumerate() {
+        let h = consumer
+            .read_blocks(&peer, &[i], &[31 - i], Some(vec![i as u8; size]))
+            .unwrap();
+        h.wait(TIMEOUT).unwrap();
+        let got = wait_notifs(&producer, 1, TIMEOUT);
+        assert_eq!(got.len(), 1, "notification of {size} bytes lost");
+        assert_eq!(got[0].1, vec![i as u8; size]);
+        consumer.send_notif(&peer, &vec![0xee; size]).unwrap();
+        assert_eq!(wait_notifs(&producer, 1, TIMEOUT)[0].1, vec![0xee; size]);
+    }
+    assert_blocks_equal(&p_mem, &c_mem, &[(31, 0), (30, 1), (29, 2)]);
+}
+
+#[test]
 fn concurrent_transfers_and_plain_notifications() {
     let p_mem = storage(3, 64, 16, CacheDtype::F32);
     let c_mem = storage(3, 64, 16, CacheDtype::F32);

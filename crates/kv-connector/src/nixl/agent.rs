@@ -52,8 +52,11 @@ pub struct NixlAgentConfig {
     pub lib_dir: Option<PathBuf>,
     /// Run NIXL's progress thread. On (default): a passive peer (the producer of a READ, the
     /// target of a WRITE) answers flushes and receives notifications without calling NIXL.
-    /// Off: the process must keep calling NIXL (e.g. [`NixlAgent::get_notifs`]) or transfers
-    /// from its peers stall.
+    /// Off: nobody answers for this agent between its own NIXL calls, so peers' transfers from
+    /// or into it stall; fine for an agent that only initiates (pull mode's consumer, push
+    /// mode's producer), and faster there: UCX then runs single-threaded, without the locks
+    /// that cost 3-13% on 16 cores and up to half the bandwidth on a loaded 2-core host
+    /// (BENCHMARKS.md, "NIXL transfer"). Its own notifications still go out without further calls.
     pub progress_thread: bool,
     /// Longest sleep of the progress thread between event checks, in µs (NIXL rounds up to ms).
     pub progress_delay_us: u64,
@@ -401,23 +404,27 @@ impl NixlAgent {
 
     /// Our handshake, to be served to peers.
     pub fn handshake(&self) -> Result<NixlHandshake, KvConnectorError> {
-        Ok(NixlHandshake::new(
+        Ok(self.handshake_with(self.metadata()?))
+    }
+
+    fn handshake_with(&self, agent_metadata: Vec<u8>) -> NixlHandshake {
+        NixlHandshake::new(
             &self.config.engine_id,
             &self.name,
-            self.metadata()?,
+            agent_metadata,
             &self.config.model,
             self.config.tp_rank,
             self.config.tp_size,
             self.layers.clone(),
-        ))
+        )
     }
 
     /// Accepts a peer: checks its handshake against ours, loads its metadata and prepares its
     /// descriptor list. Returns the peer's agent name, the key of every later call. Adding the
     /// same handshake again is a no-op.
     pub fn add_peer(&self, peer: &NixlHandshake) -> Result<String, KvConnectorError> {
-        let ours = self.handshake()?;
-        ours.check_compatible(peer)?;
+        // Our metadata plays no part in the comparison.
+        self.handshake_with(Vec::new()).check_compatible(peer)?;
         if peer.agent_name == self.name {
             return Err(KvConnectorError::InvalidHandshake(
                 "the peer is this agent itself".into(),

@@ -118,6 +118,70 @@ fn a_consumer_without_progress_thread_reads_and_its_notifications_still_arrive()
 }
 
 #[test]
+fn a_producer_that_nobody_progresses_times_the_read_out_until_it_is_polled() {
+    // Without its progress thread and without NIXL calls, the producer never answers the
+    // consumer's flush: the READ must time out (not hang), and complete once the producer polls.
+    let p_mem = small_storage();
+    let c_mem = small_storage();
+    fill_random(&p_mem, 5);
+    let mut cfg = NixlAgentConfig::new("prefill", MODEL);
+    cfg.progress_thread = false;
+    let producer = agent_with(cfg, p_mem.clone());
+    let consumer = agent("decode", c_mem.clone());
+    let peer = connect(&consumer, &producer);
+    let h = consumer.read_blocks(&peer, &[7], &[9], None).unwrap();
+    let start = Instant::now();
+    match h.wait(Duration::from_millis(300)) {
+        Err(KvConnectorError::TransferTimeout { timeout, .. }) => {
+            assert_eq!(timeout, Duration::from_millis(300));
+            assert!(start.elapsed() < Duration::from_secs(2));
+            assert!(matches!(h.poll(), TransferStatus::Pending));
+        }
+        other => panic!("expected a timeout, got {other:?}"),
+    }
+    let deadline = Instant::now() + TIMEOUT;
+    let stats = loop {
+        producer.get_notifs().unwrap();
+        match h.poll() {
+            TransferStatus::Done(stats) => break stats,
+            TransferStatus::Pending if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(1))
+            }
+            other => panic!("{other:?}"),
+        }
+    };
+    assert!(stats.duration >= Duration::from_millis(300));
+    assert_blocks_equal(&p_mem, &c_mem, &[(9, 7)]);
+}
+
+#[test]
+fn threads_share_one_agent() {
+    let p_mem = storage(2, 64, 16, CacheDtype::Bf16);
+    let c_mem = storage(2, 64, 16, CacheDtype::Bf16);
+    fill_random(&p_mem, 6);
+    let producer = agent("prefill", p_mem.clone());
+    let consumer = agent("decode", c_mem.clone());
+    let peer = connect(&consumer, &producer);
+    std::thread::scope(|s| {
+        for t in 0..4usize {
+            let (consumer, peer) = (&consumer, &peer);
+            s.spawn(move || {
+                for round in 0..25usize {
+                    let b = t * 16 + round % 16;
+                    let h = consumer
+                        .read_blocks(peer, &[63 - b], &[b], Some(vec![t as u8, round as u8]))
+                        .unwrap();
+                    h.wait(TIMEOUT).unwrap();
+                }
+            });
+        }
+    });
+    let pairs: Vec<(usize, usize)> = (0..64).map(|b| (b, 63 - b)).collect();
+    assert_blocks_equal(&p_mem, &c_mem, &pairs);
+    assert_eq!(wait_notifs(&producer, 100, TIMEOUT).len(), 100);
+}
+
+#[test]
 fn concurrent_transfers_and_plain_notifications() {
     let p_mem = storage(3, 64, 16, CacheDtype::F32);
     let c_mem = storage(3, 64, 16, CacheDtype::F32);

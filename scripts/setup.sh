@@ -7,7 +7,7 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 
-if ! ldconfig -p 2>/dev/null | grep -q libclang; then
+if ! ldconfig -p 2>/dev/null | grep -qE "libclang(-[0-9.]+)?\.so"; then
     echo "setup: installing libclang (for nixl-sys bindgen)"
     apt-get update -qq && apt-get install -y -qq libclang-dev clang >/dev/null
 fi

@@ -6,7 +6,7 @@
 //! - [`scheduler`]: continuous batching over the paged KV cache, chunked prefill, preemption,
 //!   and the connector hooks (remote KV, delayed free).
 //! - [`scheduler_output`]: what a step asks of workers and what they answer.
-//! - [`worker`]: the worker interface and the model worker.
+//! - [`worker`]: the worker interface; [`model_worker`]: the worker that runs the model.
 //! - [`core`]: the engine thread and its handle.
 //! - [`metrics`]: every metric name.
 
@@ -14,6 +14,7 @@ pub mod core;
 pub mod detokenizer;
 pub mod error;
 pub mod metrics;
+pub mod model_worker;
 pub mod output;
 pub mod request;
 pub mod sampling;

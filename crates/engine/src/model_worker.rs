@@ -90,10 +90,9 @@ impl Worker for ModelWorker {
                 .map_err(|e| EngineError::Execution(e.to_string()))?;
             let vocab = self.model.info().vocab_size;
             for (row, &id) in flat.sampled_requests.iter().enumerate() {
-                let sampler = self
-                    .samplers
-                    .get_mut(&id)
-                    .ok_or_else(|| EngineError::Execution(format!("no sampler for request {id}")))?;
+                let sampler = self.samplers.get_mut(&id).ok_or_else(|| {
+                    EngineError::Execution(format!("no sampler for request {id}"))
+                })?;
                 let (token_id, logprob) = sampler.sample(&logits[row * vocab..(row + 1) * vocab]);
                 out.sampled.push(SampledToken {
                     request_id: id,

@@ -527,7 +527,10 @@ impl Scheduler {
         let table = self.kv.block_table(id).to_vec();
         let bad = failure.is_some() || table.iter().any(|b| invalid_blocks.contains(b));
         if !bad {
-            req.num_computed_tokens += req.num_external_tokens;
+            // A load may cover the whole prompt; its last token is computed again locally,
+            // since its logits are needed to sample the first output token.
+            req.num_computed_tokens =
+                (req.num_computed_tokens + req.num_external_tokens).min(req.num_tokens() - 1);
             req.status = RequestStatus::Waiting;
             let computed = req.num_computed_tokens;
             self.kv

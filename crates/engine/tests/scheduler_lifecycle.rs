@@ -530,6 +530,30 @@ fn remote_kv_load_waits_then_decodes_like_a_local_prefill() {
 }
 
 #[test]
+fn a_load_of_the_whole_prompt_recomputes_only_its_last_token() {
+    let c = TestConnector::default();
+    let mut h = Harness::with_connector(SchedulerConfig::default(), 32, Box::new(c.clone()));
+    let p = prompt(11, 12);
+    let id = h.add_with(p.clone(), greedy(5), Some(json!({"remote": 12})));
+    h.step();
+    complete_loads(
+        &mut h,
+        &c,
+        &HashMap::from([(id, p.clone())]),
+        &HashSet::new(),
+    );
+    h.step();
+    assert_eq!(
+        h.worker.step_tokens.last(),
+        Some(&1),
+        "only the last prompt token runs"
+    );
+    h.run();
+    assert_eq!(h.collect(id).0, solo(&p, greedy(5)));
+    h.assert_empty();
+}
+
+#[test]
 fn failed_load_follows_the_policy() {
     for policy in [KvLoadFailurePolicy::Fail, KvLoadFailurePolicy::Recompute] {
         let c = TestConnector::default();

@@ -47,7 +47,7 @@
 //! - [`merge`]: summing the workers' records.
 //! - [`verdict`]: comparing the two sides.
 //! - [`wire`]: the payload format.
-//! - [`file`]: checksums of a safetensors file.
+//! - [`file`](mod@file): checksums of a safetensors file.
 
 pub mod backend;
 pub mod definition;

@@ -145,3 +145,66 @@ fn a_hand_computed_value() {
     let merged = cluster.merged(Role::Producer, &cluster.request(1, 2));
     assert_eq!(checks(&merged).checks[0], vec![want]);
 }
+
+#[test]
+fn a_workers_kv_storage_is_checksummed_in_place() {
+    use tandem_kv_cache::{KvCacheConfig, KvCacheGroup, KvCacheSpec, KvStorage};
+    let spec = KvCacheSpec::FullAttention {
+        block_size: 4,
+        num_kv_heads: 2,
+        head_dim: 8,
+        dtype: CacheDtype::Bf16,
+    };
+    let names = ["model.layers.0.self_attn", "model.layers.5.self_attn"];
+    let config = KvCacheConfig {
+        num_blocks: 6,
+        groups: vec![KvCacheGroup {
+            group_id: 0,
+            spec,
+            layer_names: names.iter().map(|s| s.to_string()).collect(),
+        }],
+    };
+    let storage = KvStorage::new(&config).unwrap();
+    let table: Vec<Option<usize>> = vec![Some(4), Some(1), Some(3)];
+    let tokens = 10;
+    let mut rng = crate::common::Rng(9);
+    let mut model = Model::random(&mut rng, &names, 2, 8, CacheDtype::Bf16, tokens);
+    for (i, layer) in model.layers.iter_mut().enumerate() {
+        let vals = |rng: &mut crate::common::Rng| -> Vec<f32> {
+            (0..tokens * 16)
+                .map(|_| (rng.next() % 2000) as f32 / 7.0 - 100.0)
+                .collect()
+        };
+        let (k, v) = (vals(&mut rng), vals(&mut rng));
+        let slots: Vec<usize> = (0..tokens)
+            .map(|t| table[t / 4].unwrap() * 4 + t % 4)
+            .collect();
+        storage.write_slots(i, &slots, &k, &v).unwrap();
+        CacheDtype::Bf16.encode(&k, &mut layer.k);
+        CacheDtype::Bf16.encode(&v, &mut layer.v);
+    }
+    let worker = WorkerChecksums::from_storage(
+        WorkerId {
+            tp_rank: 0,
+            pp_rank: 0,
+        },
+        &storage,
+        &config,
+        |g| HeadPlacement::single(g.spec.num_kv_heads() as u32),
+    );
+    assert_eq!(worker.skipped_groups().count(), 0);
+    let req = ChecksumRequest::for_send(
+        tokens,
+        &[GroupBlocks {
+            group_id: 0,
+            spec: &spec,
+            first_position: 0,
+            blocks: &table,
+        }],
+    );
+    let record = worker.checksum(&CpuBackend::new(&storage), Role::Producer, &req);
+    let GroupOutcome::Computed(v) = &record.groups[0].outcome else {
+        panic!("{record:?}")
+    };
+    assert_eq!(v.parts[0].values, naive_blocks(&model, 0, 3, 4, 0, tokens));
+}

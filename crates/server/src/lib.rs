@@ -1,1 +1,20 @@
-//! placeholder
+//! The OpenAI-compatible HTTP server of one Tandem instance, and the `tandem` binary's pieces.
+//!
+//! - [`config`]: `tandem serve`'s flags (each also `TANDEM_*` and TOML).
+//! - [`protocol`]: request and response bodies.
+//! - [`extract`]: the JSON extractor whose rejections are OpenAI envelopes.
+//! - [`routes`]: the router and handlers; [`generate`]: engine events to responses.
+//! - [`error`]: the one mapping of errors to HTTP status and envelope.
+//! - [`launch`]: loading the model, sizing the KV cache, starting engine and server.
+
+pub mod config;
+pub mod error;
+pub mod extract;
+pub mod generate;
+pub mod launch;
+pub mod protocol;
+pub mod routes;
+pub mod state;
+
+pub use routes::app;
+pub use state::AppState;

@@ -1,1 +1,125 @@
-fn main() {}
+//! The `tandem` binary: `serve` (one instance), `proxy` (the P/D front), `kv-checksum` (the
+//! checksum definition, from outside).
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use tandem_server::config::{apply_toml_file, ServeArgs};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "tandem",
+    version,
+    about = "An LLM inference server with verified prefill/decode disaggregation"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Serve a model over an OpenAI-compatible HTTP API.
+    Serve {
+        /// A TOML file whose keys are `serve`'s flags (command line and environment win).
+        #[arg(long, env = "TANDEM_CONFIG")]
+        config: Option<PathBuf>,
+        #[command(flatten)]
+        args: ServeArgs,
+    },
+    /// Route requests to prefill and decode instances.
+    Proxy {
+        /// A TOML file whose keys are `proxy`'s flags (command line and environment win).
+        #[arg(long, env = "TANDEM_PROXY_CONFIG")]
+        config: Option<PathBuf>,
+        #[command(flatten)]
+        args: tandem_proxy::ProxyArgs,
+    },
+    /// Print the KV checksums of KV held in a safetensors file, as JSON.
+    KvChecksum {
+        /// safetensors with `layers.{L}.k` / `layers.{L}.v`, each [tokens, kv_heads, head_dim].
+        #[arg(long)]
+        input: PathBuf,
+        #[arg(long)]
+        block_size: usize,
+        /// Position of the file's first token in the request.
+        #[arg(long, default_value_t = 0)]
+        start_token: usize,
+        /// Tokens of the request the checksums cover (default: all in the file).
+        #[arg(long)]
+        num_tokens: Option<usize>,
+    },
+}
+
+/// Applies `--config FILE` (or its env var) before clap reads the environment.
+fn preload_config_file() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let sub = args.get(1).map(String::as_str).unwrap_or("");
+    let (env_var, prefix) = match sub {
+        "serve" => ("TANDEM_CONFIG", "TANDEM_"),
+        "proxy" => ("TANDEM_PROXY_CONFIG", "TANDEM_PROXY_"),
+        _ => return Ok(()),
+    };
+    let mut path = std::env::var_os(env_var).map(PathBuf::from);
+    for (i, a) in args.iter().enumerate() {
+        if a == "--config" {
+            path = args.get(i + 1).map(PathBuf::from);
+        } else if let Some(p) = a.strip_prefix("--config=") {
+            path = Some(PathBuf::from(p));
+        }
+    }
+    if let Some(p) = path {
+        apply_toml_file(&p, prefix).map_err(anyhow::Error::msg)?;
+    }
+    Ok(())
+}
+
+fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_target(false)
+        .init();
+}
+
+fn main() -> anyhow::Result<()> {
+    // Before any thread exists: the config file becomes environment variables.
+    preload_config_file()?;
+    let cli = Cli::parse();
+    match cli.command {
+        Command::KvChecksum {
+            input,
+            block_size,
+            start_token,
+            num_tokens,
+        } => {
+            let json = tandem_kv_checksum::checksum_safetensors_file(
+                &input,
+                block_size,
+                start_token,
+                num_tokens,
+            )?;
+            println!("{}", serde_json::to_string_pretty(&json)?);
+            Ok(())
+        }
+        Command::Serve { args, .. } => {
+            init_tracing();
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()
+                .context("starting the async runtime")?;
+            rt.block_on(tandem_server::launch::serve(args))
+        }
+        Command::Proxy { args, .. } => {
+            init_tracing();
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()
+                .context("starting the async runtime")?;
+            rt.block_on(tandem_proxy::serve(args))
+                .map_err(|e| anyhow::anyhow!("{e}"))
+        }
+    }
+}

@@ -1,0 +1,145 @@
+//! `tandem serve`'s configuration: one clap struct, every flag also `TANDEM_<FLAG>` in the
+//! environment and a key of a TOML file given with `--config`.
+//!
+//! Precedence: command line > environment > TOML file > default. The TOML file is applied by
+//! exporting each of its keys as the flag's environment variable when that variable is unset
+//! ([`apply_toml_file`]), so the three sources cannot disagree about names or parsing.
+
+use std::path::Path;
+
+use clap::{ArgAction, Args};
+
+/// Flags of `tandem serve`.
+#[derive(Args, Debug, Clone)]
+pub struct ServeArgs {
+    /// Model: `smollm2-135m` (the embedded default), a GGUF file, a Hugging Face directory
+    /// (config.json + *.safetensors + tokenizer.json), or an `org/name` in the local hf-hub cache.
+    #[arg(long, env = "TANDEM_MODEL", default_value = "smollm2-135m")]
+    pub model: String,
+    /// Name(s) the API accepts and reports for the model (default: the `--model` value).
+    #[arg(long, env = "TANDEM_SERVED_MODEL_NAME", value_delimiter = ',')]
+    pub served_model_name: Vec<String>,
+    #[arg(long, env = "TANDEM_HOST", default_value = "0.0.0.0")]
+    pub host: String,
+    #[arg(long, env = "TANDEM_PORT", default_value_t = 8000)]
+    pub port: u16,
+    /// Weight mode: `auto` (the fastest measured on CPU), `f32` (everything dequantized: the
+    /// accuracy mode), or a quantized mode the model loader names.
+    #[arg(long, env = "TANDEM_DTYPE", default_value = "auto")]
+    pub dtype: String,
+    /// Element type of the KV cache: f32, f16 or bf16.
+    #[arg(long, env = "TANDEM_KV_CACHE_DTYPE", default_value = "f32")]
+    pub kv_cache_dtype: String,
+    /// Tokens per KV cache block.
+    #[arg(long, env = "TANDEM_BLOCK_SIZE", default_value_t = 16)]
+    pub block_size: usize,
+    /// Number of KV cache blocks (overrides `--kv-cache-memory`).
+    #[arg(long, env = "TANDEM_NUM_KV_BLOCKS")]
+    pub num_kv_blocks: Option<usize>,
+    /// Memory for the KV cache, e.g. `512MiB`, `2GiB` or bytes.
+    #[arg(long, env = "TANDEM_KV_CACHE_MEMORY", default_value = "1GiB")]
+    pub kv_cache_memory: String,
+    /// Longest prompt + output (default: the model's context, bounded by the cache).
+    #[arg(long, env = "TANDEM_MAX_MODEL_LEN")]
+    pub max_model_len: Option<usize>,
+    /// Token budget of one engine step.
+    #[arg(long, env = "TANDEM_MAX_NUM_BATCHED_TOKENS", default_value_t = 2048)]
+    pub max_num_batched_tokens: usize,
+    /// Most requests in the running batch.
+    #[arg(long, env = "TANDEM_MAX_NUM_SEQS", default_value_t = 64)]
+    pub max_num_seqs: usize,
+    /// Reuse KV blocks across requests that share a prefix.
+    #[arg(long, env = "TANDEM_ENABLE_PREFIX_CACHING", default_value_t = true, action = ArgAction::Set)]
+    pub enable_prefix_caching: bool,
+    /// Split long prompts over several steps.
+    #[arg(long, env = "TANDEM_ENABLE_CHUNKED_PREFILL", default_value_t = true, action = ArgAction::Set)]
+    pub enable_chunked_prefill: bool,
+    /// Most prompt tokens of one request per step (0: only the step budget limits it).
+    #[arg(long, env = "TANDEM_LONG_PREFILL_TOKEN_THRESHOLD", default_value_t = 0)]
+    pub long_prefill_token_threshold: usize,
+    /// P/D disaggregation: a JSON object with vLLM's keys (`kv_connector`, `kv_role`, …).
+    #[arg(long, env = "TANDEM_KV_TRANSFER_CONFIG")]
+    pub kv_transfer_config: Option<String>,
+    /// Largest request body accepted (bytes); larger ones get 413.
+    #[arg(long, env = "TANDEM_MAX_REQUEST_BODY_BYTES", default_value_t = 32 << 20)]
+    pub max_request_body_bytes: usize,
+}
+
+/// Parses `512MiB`, `2GiB`, `1.5GB`, `1000000` into bytes.
+pub fn parse_bytes(s: &str) -> Result<usize, String> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("`{s}` is not a size (e.g. 512MiB, 2GiB, 1000000)"))?;
+    let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kb" => 1e3,
+        "kib" => 1024.0,
+        "m" | "mb" => 1e6,
+        "mib" => 1024.0 * 1024.0,
+        "g" | "gb" => 1e9,
+        "gib" => 1024.0 * 1024.0 * 1024.0,
+        u => return Err(format!("unknown size unit `{u}` in `{s}`")),
+    };
+    Ok((n * mult) as usize)
+}
+
+/// Exports every key of a TOML file as `{prefix}{KEY}` unless that variable is set. Keys may use
+/// `-` or `_`; arrays become comma-separated lists, tables become JSON (for
+/// `kv_transfer_config`).
+pub fn apply_toml_file(path: &Path, prefix: &str) -> Result<Vec<String>, String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read config file {}: {e}", path.display()))?;
+    let table: toml::Table = text
+        .parse()
+        .map_err(|e| format!("config file {} is not valid TOML: {e}", path.display()))?;
+    let mut set = Vec::new();
+    for (key, value) in table {
+        let var = format!("{prefix}{}", key.replace('-', "_").to_ascii_uppercase());
+        if std::env::var_os(&var).is_some() {
+            continue;
+        }
+        let s = toml_value_to_env(&value)
+            .map_err(|e| format!("config file {}: key `{key}`: {e}", path.display()))?;
+        // SAFETY of set_var: called on the main thread before the runtime and any other thread
+        // start (see main.rs), so no concurrent reader of the environment exists.
+        unsafe { std::env::set_var(&var, s) };
+        set.push(var);
+    }
+    Ok(set)
+}
+
+fn toml_value_to_env(v: &toml::Value) -> Result<String, String> {
+    Ok(match v {
+        toml::Value::String(s) => s.clone(),
+        toml::Value::Integer(i) => i.to_string(),
+        toml::Value::Float(f) => f.to_string(),
+        toml::Value::Boolean(b) => b.to_string(),
+        toml::Value::Array(a) => a
+            .iter()
+            .map(toml_value_to_env)
+            .collect::<Result<Vec<_>, _>>()?
+            .join(","),
+        toml::Value::Table(t) => serde_json::to_string(t).map_err(|e| e.to_string())?,
+        toml::Value::Datetime(d) => d.to_string(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse() {
+        assert_eq!(parse_bytes("512MiB").unwrap(), 512 << 20);
+        assert_eq!(parse_bytes("2GiB").unwrap(), 2 << 30);
+        assert_eq!(parse_bytes("1000").unwrap(), 1000);
+        assert_eq!(parse_bytes("1.5 GB").unwrap(), 1_500_000_000);
+        assert!(parse_bytes("lots").is_err());
+        assert!(parse_bytes("5 parsecs").is_err());
+    }
+}

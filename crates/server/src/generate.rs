@@ -1,0 +1,350 @@
+//! Turns an API request into engine requests and engine events into OpenAI responses.
+//!
+//! One API request with `n` choices becomes `n` engine requests (seeds `seed + i`). A streamed
+//! response sends one chunk per engine event, then a usage chunk if asked, then `[DONE]`; an error
+//! after the stream started is sent as an `{"error": ...}` event before `[DONE]`. Dropping the
+//! response (client gone) drops the engine streams, which aborts the requests.
+
+use std::convert::Infallible;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures::stream::{self, Stream, StreamExt};
+use serde_json::{json, Value};
+use tandem_engine::{
+    EngineError, NewRequest, RequestEvent, RequestStream, SamplingParams, TokenLogprob,
+};
+
+use crate::error::ApiError;
+use crate::protocol::{PromptTokensDetails, Usage};
+use crate::state::AppState;
+
+/// Which endpoint's response shape to produce.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    Completions,
+    Chat,
+}
+
+/// An API request ready for the engine.
+#[derive(Debug, Clone)]
+pub struct Generation {
+    pub endpoint: Endpoint,
+    pub request_id: String,
+    pub prompt_ids: Vec<u32>,
+    pub params: SamplingParams,
+    pub n: usize,
+    pub stream: bool,
+    pub include_usage: bool,
+    pub return_token_ids: bool,
+    pub echo_prompt: Option<String>,
+    pub kv_transfer_params: Option<Value>,
+}
+
+/// One finished choice.
+#[derive(Debug, Default)]
+struct Choice {
+    text: String,
+    token_ids: Vec<u32>,
+    logprobs: Vec<TokenLogprob>,
+    finish: Option<RequestEvent>,
+}
+
+fn now_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+fn usage(prompt: usize, completion: usize, cached: usize) -> Usage {
+    Usage {
+        prompt_tokens: prompt,
+        completion_tokens: completion,
+        total_tokens: prompt + completion,
+        prompt_tokens_details: PromptTokensDetails {
+            cached_tokens: cached,
+        },
+    }
+}
+
+fn submit_all(state: &AppState, g: &Generation) -> Result<Vec<RequestStream>, ApiError> {
+    (0..g.n)
+        .map(|i| {
+            let mut params = g.params.clone();
+            params.seed = params.seed.map(|s| s.wrapping_add(i as u64));
+            let new = NewRequest {
+                external_id: g.request_id.clone(),
+                prompt_token_ids: g.prompt_ids.clone(),
+                params,
+                kv_transfer_params: g.kv_transfer_params.clone(),
+            };
+            state.engine.submit(new).map_err(ApiError::from)
+        })
+        .collect()
+}
+
+fn logprobs_json(state: &AppState, endpoint: Endpoint, lps: &[TokenLogprob]) -> Value {
+    match endpoint {
+        Endpoint::Chat => {
+            let content: Vec<Value> = lps
+                .iter()
+                .map(|lp| {
+                    let tok = state.tokenizer.token_text(lp.token_id);
+                    json!({
+                        "token": tok,
+                        "logprob": lp.logprob,
+                        "bytes": tok.as_bytes(),
+                        "top_logprobs": lp.top.iter().map(|(id, l)| {
+                            let t = state.tokenizer.token_text(*id);
+                            json!({"token": t, "logprob": l, "bytes": t.as_bytes()})
+                        }).collect::<Vec<_>>(),
+                    })
+                })
+                .collect();
+            json!({ "content": content })
+        }
+        Endpoint::Completions => {
+            let tokens: Vec<String> = lps
+                .iter()
+                .map(|lp| state.tokenizer.token_text(lp.token_id))
+                .collect();
+            let token_logprobs: Vec<f32> = lps.iter().map(|lp| lp.logprob).collect();
+            let top: Vec<Value> = lps
+                .iter()
+                .map(|lp| {
+                    let m: serde_json::Map<String, Value> = lp
+                        .top
+                        .iter()
+                        .map(|(id, l)| (state.tokenizer.token_text(*id), json!(l)))
+                        .collect();
+                    Value::Object(m)
+                })
+                .collect();
+            json!({"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top})
+        }
+    }
+}
+
+fn response_id(endpoint: Endpoint, request_id: &str) -> String {
+    match endpoint {
+        Endpoint::Chat => format!("chatcmpl-{request_id}"),
+        Endpoint::Completions => format!("cmpl-{request_id}"),
+    }
+}
+
+/// Runs the generation and answers in the requested form.
+pub async fn respond(state: AppState, g: Generation) -> Result<Response, ApiError> {
+    let streams = submit_all(&state, &g)?;
+    if g.stream {
+        Ok(stream_response(state, g, streams).into_response())
+    } else {
+        full_response(state, g, streams).await
+    }
+}
+
+async fn full_response(
+    state: AppState,
+    g: Generation,
+    streams: Vec<RequestStream>,
+) -> Result<Response, ApiError> {
+    let results = futures::future::join_all(streams.into_iter().map(|mut s| async move {
+        let mut c = Choice::default();
+        while let Some(ev) = s.next().await {
+            c.text.push_str(&ev.text);
+            c.token_ids.extend(&ev.token_ids);
+            c.logprobs.extend(ev.logprobs.iter().cloned());
+            if ev.finish.is_some() {
+                c.finish = Some(ev);
+                break;
+            }
+        }
+        c
+    }))
+    .await;
+    let mut choices = Vec::new();
+    let (mut completion, mut cached, mut prompt) = (0, 0, g.prompt_ids.len());
+    let mut kv_params = Value::Null;
+    for (i, c) in results.into_iter().enumerate() {
+        let fin = c.finish.ok_or(ApiError::Engine(EngineError::EngineDead))?;
+        if let Some(e) = fin.error {
+            return Err(ApiError::Engine(e));
+        }
+        completion += fin.num_output_tokens;
+        cached = fin.num_cached_tokens;
+        prompt = fin.num_prompt_tokens;
+        if i == 0 {
+            kv_params = fin.kv_transfer_params.clone().unwrap_or(Value::Null);
+        }
+        let finish_reason = fin.finish.map(|f| f.as_str());
+        let logprobs = if g.params.logprobs.is_some() {
+            logprobs_json(&state, g.endpoint, &c.logprobs)
+        } else {
+            Value::Null
+        };
+        let mut choice = match g.endpoint {
+            Endpoint::Chat => json!({
+                "index": i,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+                "stop_reason": fin.stop_reason,
+            }),
+            Endpoint::Completions => {
+                let text = match &g.echo_prompt {
+                    Some(p) => format!("{p}{}", c.text),
+                    None => c.text,
+                };
+                json!({
+                    "index": i,
+                    "text": text,
+                    "logprobs": logprobs,
+                    "finish_reason": finish_reason,
+                    "stop_reason": fin.stop_reason,
+                })
+            }
+        };
+        if g.return_token_ids {
+            choice["token_ids"] = json!(c.token_ids);
+        }
+        choices.push(choice);
+    }
+    let object = match g.endpoint {
+        Endpoint::Chat => "chat.completion",
+        Endpoint::Completions => "text_completion",
+    };
+    let mut body = json!({
+        "id": response_id(g.endpoint, &g.request_id),
+        "object": object,
+        "created": now_secs(),
+        "model": state.served_model_name(),
+        "choices": choices,
+        "usage": usage(prompt, completion, cached),
+        "kv_transfer_params": kv_params,
+    });
+    if g.return_token_ids {
+        body["prompt_token_ids"] = json!(g.prompt_ids);
+    }
+    Ok(Json(body).into_response())
+}
+
+fn sse_json(v: &Value) -> Event {
+    Event::default().data(v.to_string())
+}
+
+fn stream_response(
+    state: AppState,
+    g: Generation,
+    streams: Vec<RequestStream>,
+) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
+    let created = now_secs();
+    let id = response_id(g.endpoint, &g.request_id);
+    let model = state.served_model_name().to_string();
+    let object = match g.endpoint {
+        Endpoint::Chat => "chat.completion.chunk",
+        Endpoint::Completions => "text_completion",
+    };
+    let chunk = move |choices: Value| json!({"id": id, "object": object, "created": created, "model": model, "choices": choices});
+    // Each choice's events, tagged with its index; merged as they come.
+    let tagged = streams.into_iter().enumerate().map(|(i, s)| {
+        stream::unfold(s, |mut s| async move { s.next().await.map(|ev| (ev, s)) })
+            .map(move |ev| (i, ev))
+            .boxed()
+    });
+    let merged = stream::select_all(tagged);
+    let mut prelude = Vec::new();
+    if g.endpoint == Endpoint::Chat {
+        let first: Vec<Value> = (0..g.n)
+            .map(|i| json!({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}))
+            .collect();
+        let mut c = chunk(json!(first));
+        if g.return_token_ids {
+            c["prompt_token_ids"] = json!(g.prompt_ids);
+        }
+        prelude.push(c);
+    } else if g.echo_prompt.is_some() || g.return_token_ids {
+        let first: Vec<Value> = (0..g.n)
+            .map(|i| json!({"index": i, "text": g.echo_prompt.clone().unwrap_or_default(), "logprobs": null, "finish_reason": null}))
+            .collect();
+        let mut c = chunk(json!(first));
+        if g.return_token_ids {
+            c["prompt_token_ids"] = json!(g.prompt_ids);
+        }
+        prelude.push(c);
+    }
+    let usage_state = std::sync::Arc::new(parking_lot::Mutex::new((
+        g.prompt_ids.len(),
+        0usize,
+        0usize,
+    )));
+    let usage_end = usage_state.clone();
+    let endpoint = g.endpoint;
+    let want_logprobs = g.params.logprobs.is_some();
+    let return_ids = g.return_token_ids;
+    let include_usage = g.include_usage;
+    let chunk2 = chunk.clone();
+    let body = merged.map(move |(i, ev)| {
+        if let Some(err) = &ev.error {
+            let (_, body) = ApiError::Engine(err.clone()).parts();
+            return sse_json(&body);
+        }
+        if ev.finish.is_some() {
+            let mut u = usage_state.lock();
+            u.0 = ev.num_prompt_tokens;
+            u.1 += ev.num_output_tokens;
+            u.2 = ev.num_cached_tokens;
+        }
+        let logprobs = if want_logprobs && !ev.logprobs.is_empty() {
+            logprobs_json(&state, endpoint, &ev.logprobs)
+        } else {
+            Value::Null
+        };
+        let finish_reason = ev.finish.map(|f| f.as_str());
+        let mut choice = match endpoint {
+            Endpoint::Chat => json!({
+                "index": i,
+                "delta": {"content": ev.text},
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            }),
+            Endpoint::Completions => json!({
+                "index": i,
+                "text": ev.text,
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            }),
+        };
+        if ev.finish.is_some() {
+            choice["stop_reason"] = json!(ev.stop_reason);
+        }
+        if return_ids {
+            choice["token_ids"] = json!(ev.token_ids);
+        }
+        let mut c = chunk2(json!([choice]));
+        if ev.finish.is_some() {
+            if let Some(kvp) = &ev.kv_transfer_params {
+                c["kv_transfer_params"] = kvp.clone();
+            }
+        }
+        sse_json(&c)
+    });
+    let tail = stream::once(async move {
+        if include_usage {
+            let (p, c, cached) = *usage_end.lock();
+            let mut last = chunk(json!([]));
+            last["usage"] = json!(usage(p, c, cached));
+            Some(sse_json(&last))
+        } else {
+            None
+        }
+    })
+    .filter_map(|e| async move { e })
+    .chain(stream::once(async { Event::default().data("[DONE]") }));
+    let all = stream::iter(prelude.into_iter().map(|c| sse_json(&c)))
+        .chain(body)
+        .chain(tail)
+        .map(Ok);
+    Sse::new(all)
+}

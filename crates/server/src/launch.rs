@@ -1,0 +1,210 @@
+//! Starting one instance: load the model, size and allocate the KV cache, start the engine thread,
+//! bind the HTTP server, and stop cleanly on ctrl-c or SIGTERM.
+
+use std::sync::Arc;
+
+use anyhow::{bail, Context};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use tandem_engine::detokenizer::Detokenize;
+use tandem_engine::model_worker::ModelWorker;
+use tandem_engine::{EngineHandle, KvLoadFailurePolicy, Scheduler, SchedulerConfig};
+use tandem_kv_cache::{CacheDtype, KvCacheConfig, KvCacheManager, KvStorage};
+use tandem_kv_connector::base::NoopConnector;
+use tandem_models::{load_model, LoadOptions, TextTokenizer, WeightMode};
+
+use crate::config::{parse_bytes, ServeArgs};
+use crate::state::{ApiTokenizer, AppState};
+
+/// Installs the process-wide Prometheus recorder with latency buckets suited to LLM serving.
+pub fn install_prometheus() -> anyhow::Result<PrometheusHandle> {
+    let latency = [
+        0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+        20.0, 40.0, 80.0,
+    ];
+    let handle = PrometheusBuilder::new()
+        .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &latency)?
+        .install_recorder()
+        .context("installing the Prometheus recorder")?;
+    tandem_engine::metrics::describe();
+    Ok(handle)
+}
+
+/// Adapts the model's tokenizer to what the engine and the API need.
+struct Tokenizer(Arc<TextTokenizer>);
+
+impl Detokenize for Tokenizer {
+    fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> String {
+        self.0.decode(ids, skip_special_tokens).unwrap_or_default()
+    }
+}
+
+impl ApiTokenizer for Tokenizer {
+    fn encode_prompt(&self, text: &str) -> Result<Vec<u32>, String> {
+        self.0.encode(text, true).map_err(|e| e.to_string())
+    }
+    fn encode_chat(
+        &self,
+        messages: &[(String, String)],
+        add_generation_prompt: bool,
+    ) -> Result<Vec<u32>, String> {
+        let msgs: Vec<tandem_models::ChatMessage> = messages
+            .iter()
+            .map(|(role, content)| tandem_models::ChatMessage {
+                role: role.clone(),
+                content: content.clone(),
+            })
+            .collect();
+        let text = self
+            .0
+            .apply_chat_template(&msgs, add_generation_prompt)
+            .map_err(|e| e.to_string())?;
+        self.0.encode(&text, false).map_err(|e| e.to_string())
+    }
+    fn token_text(&self, id: u32) -> String {
+        self.0.decode(&[id], false).unwrap_or_default()
+    }
+    fn decode(&self, ids: &[u32]) -> String {
+        self.0.decode(ids, false).unwrap_or_default()
+    }
+}
+
+/// Everything `serve` builds before it listens, so tests can build it without a socket.
+pub struct Instance {
+    pub state: AppState,
+    pub engine: EngineHandle,
+}
+
+/// Loads the model and starts the engine.
+pub fn build_instance(
+    args: &ServeArgs,
+    prometheus: Option<PrometheusHandle>,
+) -> anyhow::Result<Instance> {
+    if args.kv_transfer_config.is_some() {
+        bail!("--kv-transfer-config: P/D disaggregation (NixlConnector) is not available in this build yet");
+    }
+    let cache_dtype = CacheDtype::parse(&args.kv_cache_dtype).with_context(|| {
+        format!(
+            "--kv-cache-dtype `{}`: expected f32, f16 or bf16",
+            args.kv_cache_dtype
+        )
+    })?;
+    let weights = match args.dtype.as_str() {
+        "auto" => WeightMode::default(),
+        other => WeightMode::parse(other)
+            .with_context(|| format!("--dtype `{other}`: expected auto, f32, q8_0 or native"))?,
+    };
+    if args.block_size == 0 || args.block_size > 1024 {
+        bail!(
+            "--block-size must be between 1 and 1024, got {}",
+            args.block_size
+        );
+    }
+    let started = std::time::Instant::now();
+    let loaded = load_model(
+        &args.model,
+        &LoadOptions {
+            weights,
+            ..Default::default()
+        },
+    )
+    .with_context(|| format!("loading model `{}`", args.model))?;
+    let model: Arc<dyn tandem_models::CausalLm> = Arc::from(loaded.model);
+    let info = model.info().clone();
+    let groups = model.kv_cache_groups(args.block_size, cache_dtype);
+    let probe = KvCacheConfig {
+        num_blocks: 1,
+        groups: groups.clone(),
+    };
+    let per_block = probe.bytes_per_block_all_layers();
+    let num_blocks = match args.num_kv_blocks {
+        Some(n) => n,
+        None => {
+            let mem = parse_bytes(&args.kv_cache_memory).map_err(anyhow::Error::msg)?;
+            mem / per_block
+        }
+    };
+    if num_blocks == 0 {
+        bail!("the KV cache holds no block: raise --kv-cache-memory or --num-kv-blocks");
+    }
+    let cache_tokens = num_blocks * args.block_size;
+    let max_model_len = args
+        .max_model_len
+        .unwrap_or(info.max_position_embeddings)
+        .min(cache_tokens);
+    if let Some(m) = args.max_model_len {
+        if m > info.max_position_embeddings {
+            bail!(
+                "--max-model-len {m} exceeds the model's context ({})",
+                info.max_position_embeddings
+            );
+        }
+    }
+    let storage = Arc::new(KvStorage::new(&KvCacheConfig { num_blocks, groups })?);
+    tracing::info!(
+        model = %loaded.name,
+        weights = %weights,
+        kv_cache_dtype = %cache_dtype,
+        num_blocks,
+        block_size = args.block_size,
+        kv_cache_mib = storage.total_bytes() >> 20,
+        max_model_len,
+        load_seconds = format!("{:.2}", started.elapsed().as_secs_f64()),
+        "model loaded"
+    );
+    let tokenizer = Arc::new(loaded.tokenizer);
+    let tok = Arc::new(Tokenizer(tokenizer.clone()));
+    let sched_config = SchedulerConfig {
+        max_num_batched_tokens: args.max_num_batched_tokens.max(1),
+        max_num_seqs: args.max_num_seqs.max(1),
+        max_model_len,
+        enable_chunked_prefill: args.enable_chunked_prefill,
+        long_prefill_token_threshold: args.long_prefill_token_threshold,
+        kv_load_failure_policy: KvLoadFailurePolicy::Recompute,
+    };
+    if !args.enable_chunked_prefill && args.max_num_batched_tokens < max_model_len {
+        bail!(
+            "without chunked prefill, --max-num-batched-tokens ({}) must be at least the max model length ({max_model_len})",
+            args.max_num_batched_tokens
+        );
+    }
+    let scheduler = Scheduler::new(
+        sched_config,
+        KvCacheManager::new(num_blocks, args.block_size, args.enable_prefix_caching),
+        Box::new(NoopConnector),
+        tok.clone(),
+        tokenizer.stop_token_ids().to_vec(),
+    );
+    let worker = ModelWorker::new(model, storage, args.block_size, Box::new(NoopConnector))?;
+    let engine = EngineHandle::spawn(scheduler, Box::new(worker), info.vocab_size)?;
+    let mut names = args.served_model_name.clone();
+    if names.is_empty() {
+        names.push(args.model.clone());
+    }
+    let state = AppState {
+        engine: engine.clone(),
+        tokenizer: tok,
+        model_names: Arc::new(names),
+        max_model_len,
+        prometheus,
+        max_body_bytes: args.max_request_body_bytes,
+    };
+    Ok(Instance { state, engine })
+}
+
+/// `tandem serve`: runs until ctrl-c or SIGTERM.
+pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let prometheus = install_prometheus()?;
+    let instance = build_instance(&args, Some(prometheus))?;
+    let addr = format!("{}:{}", args.host, args.port);
+    let listener = tokio::net::TcpListener::bind(&addr)
+        .await
+        .with_context(|| format!("binding {addr}"))?;
+    tracing::info!("listening on http://{addr}");
+    axum::serve(listener, crate::app(instance.state))
+        .with_graceful_shutdown(tandem_proxy::shutdown_signal())
+        .await
+        .context("serving HTTP")?;
+    instance.engine.shutdown();
+    tracing::info!("stopped");
+    Ok(())
+}

@@ -1,0 +1,135 @@
+//! The OpenAI-compatible request and response bodies, as JSON sees them.
+//!
+//! Requests are parsed leniently (unknown fields are ignored, as OpenAI clients send extras) but
+//! typed strictly: a wrong type is a 422, a value out of range a 400 (see `validation`).
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// A string or a list of strings (`stop`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum StringOrList {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl StringOrList {
+    pub fn into_vec(self) -> Vec<String> {
+        match self {
+            StringOrList::One(s) => vec![s],
+            StringOrList::Many(v) => v,
+        }
+    }
+}
+
+/// `prompt` of `/v1/completions`: text or token ids, one or a batch of one.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum PromptInput {
+    Text(String),
+    Tokens(Vec<u32>),
+    TextBatch(Vec<String>),
+    TokensBatch(Vec<Vec<u32>>),
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// Sampling fields shared by both endpoints.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct CommonParams {
+    pub model: Option<String>,
+    pub max_tokens: Option<usize>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<i32>,
+    pub n: Option<usize>,
+    #[serde(default)]
+    pub stream: bool,
+    pub stream_options: Option<StreamOptions>,
+    pub stop: Option<StringOrList>,
+    pub stop_token_ids: Option<Vec<u32>>,
+    pub seed: Option<u64>,
+    pub min_tokens: Option<usize>,
+    #[serde(default)]
+    pub ignore_eos: bool,
+    pub skip_special_tokens: Option<bool>,
+    #[serde(default)]
+    pub include_stop_str_in_output: bool,
+    #[serde(default)]
+    pub return_token_ids: bool,
+    pub kv_transfer_params: Option<Value>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct CompletionRequest {
+    pub prompt: PromptInput,
+    /// Completions' `logprobs` is the number of top entries.
+    pub logprobs: Option<usize>,
+    #[serde(default)]
+    pub echo: bool,
+    #[serde(flatten)]
+    pub common: CommonParams,
+}
+
+/// Message content: a string or a list of typed parts (only text parts are supported).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum MessageContent {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct ContentPart {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub text: Option<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatMessageIn {
+    pub role: String,
+    pub content: Option<MessageContent>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatRequest {
+    pub messages: Vec<ChatMessageIn>,
+    pub max_completion_tokens: Option<usize>,
+    #[serde(default)]
+    pub logprobs: bool,
+    pub top_logprobs: Option<usize>,
+    pub add_generation_prompt: Option<bool>,
+    #[serde(flatten)]
+    pub common: CommonParams,
+}
+
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct PromptTokensDetails {
+    pub cached_tokens: usize,
+}
+
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub total_tokens: usize,
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+/// `/v1/models` entry.
+#[derive(Debug, Clone, Serialize)]
+pub struct ModelCard {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub owned_by: &'static str,
+    pub max_model_len: usize,
+}

@@ -1,0 +1,297 @@
+//! The HTTP API of one instance: OpenAI-compatible endpoints, health and metrics.
+//!
+//! Validation happens here, once, before anything reaches the engine: model name, prompt shape,
+//! sampling ranges (the engine's validator), context length. Every error leaves through
+//! [`ApiError`].
+
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::json;
+use tandem_engine::SamplingParams;
+
+use crate::error::ApiError;
+use crate::extract::ApiJson;
+use crate::generate::{respond, Endpoint, Generation};
+use crate::protocol::{
+    ChatRequest, CommonParams, CompletionRequest, MessageContent, ModelCard, PromptInput,
+};
+use crate::state::AppState;
+
+/// Header naming a request across proxy, prefill and decode.
+pub const X_REQUEST_ID: &str = "x-request-id";
+
+/// The router of one instance.
+pub fn app(state: AppState) -> Router {
+    let limit = state.max_body_bytes;
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::max(limit))
+        .with_state(state)
+}
+
+async fn not_found() -> Response {
+    let body = json!({"error": {"message": "not found", "type": "NotFoundError", "param": null, "code": 404}});
+    (StatusCode::NOT_FOUND, Json(body)).into_response()
+}
+
+async fn models(State(state): State<AppState>) -> Json<serde_json::Value> {
+    let card = ModelCard {
+        id: state.served_model_name().to_string(),
+        object: "model",
+        created: 0,
+        owned_by: "tandem",
+        max_model_len: state.max_model_len,
+    };
+    Json(json!({"object": "list", "data": [card]}))
+}
+
+async fn health(State(state): State<AppState>) -> Response {
+    if state.engine.is_alive() {
+        StatusCode::OK.into_response()
+    } else {
+        let body = json!({"error": {"message": "the engine is not running", "type": "ServiceUnavailableError", "param": null, "code": 503}});
+        (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response()
+    }
+}
+
+async fn metrics(State(state): State<AppState>) -> Response {
+    match &state.prometheus {
+        Some(h) => (
+            [(
+                axum::http::header::CONTENT_TYPE,
+                "text/plain; version=0.0.4",
+            )],
+            h.render(),
+        )
+            .into_response(),
+        None => (StatusCode::NOT_FOUND, "metrics are not enabled").into_response(),
+    }
+}
+
+fn request_id(headers: &HeaderMap) -> String {
+    headers
+        .get(X_REQUEST_ID)
+        .and_then(|v| v.to_str().ok())
+        .filter(|s| !s.is_empty() && s.len() <= 128 && s.chars().all(|c| c.is_ascii_graphic()))
+        .map(str::to_string)
+        .unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string())
+}
+
+fn check_model(state: &AppState, model: &Option<String>) -> Result<(), ApiError> {
+    match model {
+        Some(m) if !state.model_names.iter().any(|n| n == m) => {
+            Err(ApiError::ModelNotFound(m.clone()))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Sampling parameters from the shared fields; `max_tokens` defaults to what the context allows.
+fn sampling_params(
+    state: &AppState,
+    c: &CommonParams,
+    max_tokens: Option<usize>,
+    prompt_len: usize,
+    logprobs: Option<usize>,
+) -> Result<SamplingParams, ApiError> {
+    for (name, v) in [
+        ("presence_penalty", c.presence_penalty),
+        ("frequency_penalty", c.frequency_penalty),
+    ] {
+        if v.is_some_and(|v| v != 0.0) {
+            return Err(ApiError::bad_request(
+                Some(name),
+                format!("{name} is not supported"),
+            ));
+        }
+    }
+    let max_tokens = match max_tokens {
+        Some(m) => m,
+        None => state.max_model_len.saturating_sub(prompt_len).max(1),
+    };
+    Ok(SamplingParams {
+        temperature: c.temperature.unwrap_or(1.0),
+        top_p: c.top_p.unwrap_or(1.0),
+        top_k: c.top_k.unwrap_or(0),
+        seed: c.seed,
+        max_tokens,
+        min_tokens: c.min_tokens.unwrap_or(0),
+        ignore_eos: c.ignore_eos,
+        stop: c.stop.clone().map(|s| s.into_vec()).unwrap_or_default(),
+        stop_token_ids: c.stop_token_ids.clone().unwrap_or_default(),
+        include_stop_str_in_output: c.include_stop_str_in_output,
+        logprobs,
+        skip_special_tokens: c.skip_special_tokens.unwrap_or(true),
+    })
+}
+
+fn check_n(c: &CommonParams) -> Result<usize, ApiError> {
+    let n = c.n.unwrap_or(1);
+    if !(1..=16).contains(&n) {
+        return Err(ApiError::bad_request(
+            Some("n"),
+            format!("n must be between 1 and 16, got {n}"),
+        ));
+    }
+    Ok(n)
+}
+
+fn check_transfer_params(c: &CommonParams) -> Result<(), ApiError> {
+    match &c.kv_transfer_params {
+        None | Some(serde_json::Value::Null) | Some(serde_json::Value::Object(_)) => Ok(()),
+        Some(_) => Err(ApiError::bad_request(
+            Some("kv_transfer_params"),
+            "kv_transfer_params must be an object",
+        )),
+    }
+}
+
+async fn completions(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    ApiJson(req): ApiJson<CompletionRequest>,
+) -> Result<Response, ApiError> {
+    check_model(&state, &req.common.model)?;
+    let n = check_n(&req.common)?;
+    check_transfer_params(&req.common)?;
+    let (prompt_ids, prompt_text) = match req.prompt {
+        PromptInput::Text(t) => (encode(&state, &t)?, Some(t)),
+        PromptInput::Tokens(ids) => (ids, None),
+        PromptInput::TextBatch(mut v) if v.len() == 1 => {
+            let t = v.remove(0);
+            (encode(&state, &t)?, Some(t))
+        }
+        PromptInput::TokensBatch(mut v) if v.len() == 1 => (v.remove(0), None),
+        _ => {
+            return Err(ApiError::bad_request(
+                Some("prompt"),
+                "a batch of prompts is not supported; send one prompt per request",
+            ))
+        }
+    };
+    let params = sampling_params(
+        &state,
+        &req.common,
+        req.common.max_tokens,
+        prompt_ids.len(),
+        req.logprobs,
+    )?;
+    let echo_prompt = req
+        .echo
+        .then(|| prompt_text.unwrap_or_else(|| state.tokenizer.decode(&prompt_ids)));
+    let g = Generation {
+        endpoint: Endpoint::Completions,
+        request_id: request_id(&headers),
+        prompt_ids,
+        params,
+        n,
+        stream: req.common.stream,
+        include_usage: req
+            .common
+            .stream_options
+            .as_ref()
+            .is_some_and(|o| o.include_usage),
+        return_token_ids: req.common.return_token_ids,
+        echo_prompt,
+        kv_transfer_params: req.common.kv_transfer_params.filter(|v| !v.is_null()),
+    };
+    respond(state, g).await
+}
+
+fn encode(state: &AppState, text: &str) -> Result<Vec<u32>, ApiError> {
+    state.tokenizer.encode_prompt(text).map_err(|e| {
+        ApiError::bad_request(Some("prompt"), format!("cannot tokenize the prompt: {e}"))
+    })
+}
+
+async fn chat_completions(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    ApiJson(req): ApiJson<ChatRequest>,
+) -> Result<Response, ApiError> {
+    check_model(&state, &req.common.model)?;
+    let n = check_n(&req.common)?;
+    check_transfer_params(&req.common)?;
+    if req.messages.is_empty() {
+        return Err(ApiError::bad_request(
+            Some("messages"),
+            "messages must not be empty",
+        ));
+    }
+    let mut messages = Vec::with_capacity(req.messages.len());
+    for (i, m) in req.messages.iter().enumerate() {
+        if !["system", "user", "assistant", "developer", "tool"].contains(&m.role.as_str()) {
+            return Err(ApiError::bad_request(
+                Some("messages"),
+                format!("messages[{i}].role `{}` is not one of system, user, assistant, developer, tool", m.role),
+            ));
+        }
+        let content = match &m.content {
+            None => String::new(),
+            Some(MessageContent::Text(t)) => t.clone(),
+            Some(MessageContent::Parts(parts)) => {
+                let mut s = String::new();
+                for p in parts {
+                    if p.kind != "text" {
+                        return Err(ApiError::bad_request(
+                            Some("messages"),
+                            format!(
+                                "messages[{i}]: content parts of type `{}` are not supported",
+                                p.kind
+                            ),
+                        ));
+                    }
+                    s.push_str(p.text.as_deref().unwrap_or(""));
+                }
+                s
+            }
+        };
+        messages.push((m.role.clone(), content));
+    }
+    let prompt_ids = state
+        .tokenizer
+        .encode_chat(&messages, req.add_generation_prompt.unwrap_or(true))
+        .map_err(|e| {
+            ApiError::bad_request(
+                Some("messages"),
+                format!("cannot apply the chat template: {e}"),
+            )
+        })?;
+    let logprobs = if req.logprobs {
+        Some(req.top_logprobs.unwrap_or(0))
+    } else if req.top_logprobs.is_some() {
+        return Err(ApiError::bad_request(
+            Some("top_logprobs"),
+            "top_logprobs requires logprobs: true",
+        ));
+    } else {
+        None
+    };
+    let max_tokens = req.max_completion_tokens.or(req.common.max_tokens);
+    let params = sampling_params(&state, &req.common, max_tokens, prompt_ids.len(), logprobs)?;
+    let g = Generation {
+        endpoint: Endpoint::Chat,
+        request_id: request_id(&headers),
+        prompt_ids,
+        params,
+        n,
+        stream: req.common.stream,
+        include_usage: req
+            .common
+            .stream_options
+            .as_ref()
+            .is_some_and(|o| o.include_usage),
+        return_token_ids: req.common.return_token_ids,
+        echo_prompt: None,
+        kv_transfer_params: req.common.kv_transfer_params.filter(|v| !v.is_null()),
+    };
+    respond(state, g).await
+}

@@ -1,0 +1,161 @@
+//! Shared helpers of the end-to-end tests: start real `tandem` processes on free ports, wait until
+//! they answer, read their metrics, and kill them when the test ends (even when it fails).
+
+#![allow(dead_code)]
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The repository root.
+pub fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// The default model file; tests that need it fail with a clear message when it is missing.
+pub fn default_model_path() -> PathBuf {
+    repo_root().join(".models/SmolLM2-135M-Instruct.Q4_1.gguf")
+}
+
+pub fn require_model() {
+    assert!(
+        default_model_path().exists(),
+        "the default model is missing: run scripts/setup.sh first"
+    );
+}
+
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A running `tandem` process, killed on drop.
+pub struct Server {
+    pub child: Child,
+    pub port: u16,
+    pub base: String,
+    pub log: PathBuf,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Server {
+    /// Starts `tandem serve` with `args` (plus `--port`, `--host 127.0.0.1`) and waits for /health.
+    pub fn serve(args: &[&str]) -> Server {
+        require_model();
+        Self::start("serve", args, &[])
+    }
+
+    pub fn start(sub: &str, args: &[&str], env: &[(&str, &str)]) -> Server {
+        let port = free_port();
+        let log = std::env::temp_dir().join(format!("tandem-test-{sub}-{port}.log"));
+        let logf = std::fs::File::create(&log).unwrap();
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_tandem"));
+        cmd.arg(sub)
+            .args(args)
+            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+            .current_dir(repo_root())
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::from(logf.try_clone().unwrap()))
+            .stderr(Stdio::from(logf));
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let child = cmd.spawn().expect("start tandem");
+        let mut s = Server {
+            child,
+            port,
+            base: format!("http://127.0.0.1:{port}"),
+            log,
+        };
+        s.wait_healthy(Duration::from_secs(120));
+        s
+    }
+
+    pub fn wait_healthy(&mut self, timeout: Duration) {
+        let start = Instant::now();
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!("tandem exited with {status}:\n{}", self.log_text());
+            }
+            if http_get_status(&self.url("/health")) == Some(200) {
+                return;
+            }
+            assert!(
+                start.elapsed() < timeout,
+                "tandem did not become healthy:\n{}",
+                self.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    /// The value of one Prometheus series (first match of `name` with all `labels`), if present.
+    pub async fn metric(&self, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+        let text = reqwest::get(self.url("/metrics"))
+            .await
+            .ok()?
+            .text()
+            .await
+            .ok()?;
+        parse_metric(&text, name, labels)
+    }
+}
+
+/// Finds a sample line `name{labels} value` in Prometheus text.
+pub fn parse_metric(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    text.lines().filter(|l| !l.starts_with('#')).find_map(|l| {
+        let (series, value) = l.rsplit_once(' ')?;
+        let (n, rest) = match series.find('{') {
+            Some(i) => (&series[..i], &series[i..]),
+            None => (series, ""),
+        };
+        if n != name {
+            return None;
+        }
+        if !labels
+            .iter()
+            .all(|(k, v)| rest.contains(&format!("{k}=\"{v}\"")))
+        {
+            return None;
+        }
+        value.parse().ok()
+    })
+}
+
+/// The status of `GET url` over a plain socket (health polling without an async runtime).
+pub fn http_get_status(url: &str) -> Option<u16> {
+    use std::io::{Read, Write};
+    let rest = url.strip_prefix("http://")?;
+    let (host, path) = rest.split_once('/').unwrap_or((rest, ""));
+    let mut s = std::net::TcpStream::connect(host).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    write!(
+        s,
+        "GET /{path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut buf = Vec::new();
+    s.read_to_end(&mut buf).ok()?;
+    String::from_utf8_lossy(&buf)
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+}

@@ -1,0 +1,396 @@
+//! End-to-end tests of one instance: the real `tandem serve` binary on the real default model,
+//! driven over HTTP.
+
+mod common;
+
+use std::time::Duration;
+
+use common::Server;
+use futures::StreamExt;
+use serde_json::{json, Value};
+
+fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(300))
+        .build()
+        .unwrap()
+}
+
+async fn post(s: &Server, path: &str, body: Value) -> (u16, Value) {
+    let r = client().post(s.url(path)).json(&body).send().await.unwrap();
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap_or(Value::Null))
+}
+
+async fn complete_ids(s: &Server, prompt: &str, max_tokens: usize) -> Vec<u64> {
+    let (st, body) = post(
+        s,
+        "/v1/completions",
+        json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": true}),
+    )
+    .await;
+    assert_eq!(st, 200, "{body}");
+    body["choices"][0]["token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect()
+}
+
+/// Reads an SSE body into its `data:` payloads.
+async fn sse_events(resp: reqwest::Response) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut buf = String::new();
+    let mut stream = resp.bytes_stream();
+    while let Some(chunk) = stream.next().await {
+        buf.push_str(&String::from_utf8_lossy(&chunk.unwrap()));
+        while let Some(i) = buf.find("\n\n") {
+            let ev: String = buf.drain(..i + 2).collect();
+            for line in ev.lines() {
+                if let Some(d) = line.strip_prefix("data: ") {
+                    out.push(d.to_string());
+                }
+            }
+        }
+    }
+    out
+}
+
+const PROMPTS: [&str; 4] = [
+    "The capital of France is",
+    "Once upon a time, in a small village,",
+    "def fibonacci(n):",
+    "The three primary colors are",
+];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_completion_answers_and_reports_usage() {
+    let s = Server::serve(&[]);
+    let (st, body) = post(
+        &s,
+        "/v1/chat/completions",
+        json!({"model": "smollm2-135m", "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 24, "temperature": 0}),
+    )
+    .await;
+    assert_eq!(st, 200, "{body}");
+    let text = body["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(text.contains("Paris"), "{text}");
+    assert_eq!(body["object"], "chat.completion");
+    let u = &body["usage"];
+    assert!(u["prompt_tokens"].as_u64().unwrap() > 10);
+    assert_eq!(
+        u["total_tokens"].as_u64().unwrap(),
+        u["prompt_tokens"].as_u64().unwrap() + u["completion_tokens"].as_u64().unwrap()
+    );
+    assert!(body.get("kv_transfer_params").is_some());
+    let (st, models) = (
+        200,
+        reqwest::get(s.url("/v1/models"))
+            .await
+            .unwrap()
+            .json::<Value>()
+            .await
+            .unwrap(),
+    );
+    assert_eq!(st, 200);
+    assert_eq!(models["data"][0]["id"], "smollm2-135m");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_greedy_requests_equal_their_solo_outputs() {
+    let s = Server::serve(&[]);
+    let mut solo = Vec::new();
+    for p in PROMPTS {
+        solo.push(complete_ids(&s, p, 24).await);
+    }
+    // 16 concurrent requests, 4 of each prompt.
+    let futs = (0..16).map(|i| {
+        let s = &s;
+        async move { (i % 4, complete_ids(s, PROMPTS[i % 4], 24).await) }
+    });
+    let results = futures::future::join_all(futs).await;
+    for (p, ids) in results {
+        assert_eq!(ids, solo[p], "prompt {p} changed under batching");
+    }
+    // every block free again, no request left
+    let free = s.metric("tandem:kv_cache_free_blocks", &[]).await.unwrap();
+    let total = s.metric("tandem:kv_cache_total_blocks", &[]).await.unwrap();
+    assert_eq!(free, total);
+    assert_eq!(
+        s.metric("tandem:num_requests_running", &[]).await,
+        Some(0.0)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefix_cache_hit_equals_miss() {
+    let s = Server::serve(&[]);
+    let prompt = "In the beginning of the twentieth century, the city grew quickly as factories opened along the river and workers arrived from the countryside. Describe";
+    let body =
+        json!({"prompt": prompt, "max_tokens": 16, "temperature": 0, "return_token_ids": true});
+    let (_, miss) = post(&s, "/v1/completions", body.clone()).await;
+    let (_, hit) = post(&s, "/v1/completions", body).await;
+    assert_eq!(miss["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    assert!(
+        hit["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+            >= 16
+    );
+    assert_eq!(
+        miss["choices"][0]["token_ids"],
+        hit["choices"][0]["token_ids"]
+    );
+    assert!(
+        s.metric("tandem:prefix_cache_hits_total", &[])
+            .await
+            .unwrap()
+            >= 16.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_matches_non_streaming() {
+    let s = Server::serve(&[]);
+    let body = json!({"prompt": PROMPTS[1], "max_tokens": 20, "temperature": 0});
+    let (_, full) = post(&s, "/v1/completions", body.clone()).await;
+    let mut sbody = body.clone();
+    sbody["stream"] = json!(true);
+    sbody["stream_options"] = json!({"include_usage": true});
+    let resp = client()
+        .post(s.url("/v1/completions"))
+        .json(&sbody)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert!(resp.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/event-stream"));
+    let events = sse_events(resp).await;
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let mut text = String::new();
+    let mut finish = None;
+    let mut usage = None;
+    for e in &events[..events.len() - 1] {
+        let v: Value = serde_json::from_str(e).unwrap();
+        if let Some(c) = v["choices"].as_array().and_then(|c| c.first()) {
+            text.push_str(c["text"].as_str().unwrap_or(""));
+            if !c["finish_reason"].is_null() {
+                finish = Some(c["finish_reason"].clone());
+            }
+        }
+        if !v["usage"].is_null() {
+            usage = Some(v["usage"].clone());
+        }
+    }
+    assert!(events.len() > 5, "streamed token by token");
+    assert_eq!(text, full["choices"][0]["text"].as_str().unwrap());
+    assert_eq!(finish, Some(json!("length")));
+    assert_eq!(usage.unwrap()["completion_tokens"], 20);
+
+    // chat streaming: role first, then content deltas
+    let resp = client()
+        .post(s.url("/v1/chat/completions"))
+        .json(&json!({"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 8, "stream": true, "temperature": 0}))
+        .send()
+        .await
+        .unwrap();
+    let events = sse_events(resp).await;
+    let first: Value = serde_json::from_str(&events[0]).unwrap();
+    assert_eq!(first["choices"][0]["delta"]["role"], "assistant");
+    assert_eq!(first["object"], "chat.completion.chunk");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_strings_end_the_text_and_are_not_emitted() {
+    let s = Server::serve(&[]);
+    let body = json!({"prompt": PROMPTS[0], "max_tokens": 24, "temperature": 0});
+    let (_, free) = post(&s, "/v1/completions", body.clone()).await;
+    let text = free["choices"][0]["text"].as_str().unwrap().to_string();
+    // pick a word from the middle of the free output as the stop string
+    let words: Vec<&str> = text.split_whitespace().collect();
+    assert!(words.len() >= 3, "{text}");
+    let stop = words[2].to_string();
+    let mut b = body.clone();
+    b["stop"] = json!([stop]);
+    let (_, stopped) = post(&s, "/v1/completions", b).await;
+    let out = stopped["choices"][0]["text"].as_str().unwrap();
+    assert_eq!(stopped["choices"][0]["finish_reason"], "stop");
+    assert_eq!(stopped["choices"][0]["stop_reason"], json!(stop));
+    assert_eq!(out, &text[..text.find(&stop).unwrap()]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_inputs_get_envelopes_and_break_nothing() {
+    let s = Server::serve(&[
+        "--max-model-len",
+        "256",
+        "--max-request-body-bytes",
+        "100000",
+    ]);
+    let c = client();
+    let raw = |body: &'static str| {
+        let c = c.clone();
+        let url = s.url("/v1/completions");
+        async move {
+            let r = c
+                .post(url)
+                .header("content-type", "application/json")
+                .body(body)
+                .send()
+                .await
+                .unwrap();
+            (r.status().as_u16(), r.json::<Value>().await.unwrap())
+        }
+    };
+    let cases: Vec<(u16, Value)> = vec![
+        raw("{not json").await,
+        raw("[1,2,3]").await,
+        raw(r#"{"prompt": 5}"#).await,
+        raw(r#"{"prompt": "hi", "max_tokens": "many"}"#).await,
+    ];
+    let expected = [400, 400, 422, 422];
+    for ((st, body), want) in cases.iter().zip(expected) {
+        assert_eq!(*st, want, "{body}");
+        let e = &body["error"];
+        for k in ["message", "type", "param", "code"] {
+            assert!(e.get(k).is_some(), "envelope lacks {k}: {body}");
+        }
+    }
+    let (st, body) = post(
+        &s,
+        "/v1/completions",
+        json!({"model": "gpt-9", "prompt": "hi"}),
+    )
+    .await;
+    assert_eq!((st, body["error"]["param"].clone()), (404, json!("model")));
+    let long = "word ".repeat(400);
+    let (st, body) = post(
+        &s,
+        "/v1/completions",
+        json!({"prompt": long, "max_tokens": 10}),
+    )
+    .await;
+    assert_eq!(st, 400);
+    let msg = body["error"]["message"].as_str().unwrap();
+    assert!(msg.contains("maximum context length is 256"), "{msg}");
+    for (field, value) in [
+        ("temperature", json!(-1)),
+        ("top_p", json!(0)),
+        ("top_k", json!(-5)),
+        ("n", json!(0)),
+        ("max_tokens", json!(0)),
+        ("logprobs", json!(50)),
+    ] {
+        let mut b = json!({"prompt": "hi", "max_tokens": 4});
+        b[field] = value;
+        let (st, body) = post(&s, "/v1/completions", b).await;
+        assert_eq!(st, 400, "{field}: {body}");
+        assert_eq!(body["error"]["param"], json!(field), "{body}");
+    }
+    let (st, _) = post(
+        &s,
+        "/v1/completions",
+        json!({"prompt": [1, 2, 99999999], "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(st, 400);
+    let (st, _) = post(&s, "/v1/chat/completions", json!({"messages": []})).await;
+    assert_eq!(st, 400);
+    let (st, _) = post(
+        &s,
+        "/v1/chat/completions",
+        json!({"messages": [{"role": "wizard", "content": "x"}]}),
+    )
+    .await;
+    assert_eq!(st, 400);
+    let (st, _) = post(
+        &s,
+        "/v1/completions",
+        json!({"prompt": "hi", "kv_transfer_params": 7}),
+    )
+    .await;
+    assert_eq!(st, 400);
+    let big = "x".repeat(200_000);
+    let r = c
+        .post(s.url("/v1/completions"))
+        .json(&json!({"prompt": big}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 413);
+    let r = c.get(s.url("/v2/nothing")).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 404);
+    // still serving, nothing leaked
+    assert_eq!(complete_ids(&s, "Hello", 4).await.len(), 4);
+    assert_eq!(common::http_get_status(&s.url("/health")), Some(200));
+    let free = s.metric("tandem:kv_cache_free_blocks", &[]).await.unwrap();
+    assert_eq!(
+        free,
+        s.metric("tandem:kv_cache_total_blocks", &[]).await.unwrap()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_disconnect_frees_blocks() {
+    let s = Server::serve(&[]);
+    let total = s.metric("tandem:kv_cache_total_blocks", &[]).await.unwrap();
+    let resp = client()
+        .post(s.url("/v1/completions"))
+        .json(
+            &json!({"prompt": PROMPTS[1], "max_tokens": 1000, "ignore_eos": true, "stream": true}),
+        )
+        .send()
+        .await
+        .unwrap();
+    let mut stream = resp.bytes_stream();
+    let _ = stream.next().await.unwrap().unwrap();
+    let _ = stream.next().await.unwrap().unwrap();
+    let busy = s.metric("tandem:kv_cache_free_blocks", &[]).await.unwrap();
+    assert!(busy < total, "the request holds blocks while running");
+    drop(stream);
+    let start = std::time::Instant::now();
+    loop {
+        let free = s.metric("tandem:kv_cache_free_blocks", &[]).await.unwrap();
+        let running = s.metric("tandem:num_requests_running", &[]).await.unwrap();
+        if free == total && running == 0.0 {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "blocks not freed after disconnect"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let aborted = s
+        .metric(
+            "tandem:request_success_total",
+            &[("finished_reason", "abort")],
+        )
+        .await;
+    assert_eq!(aborted, Some(1.0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn n_choices_logprobs_and_seeded_sampling() {
+    let s = Server::serve(&[]);
+    let body = json!({"prompt": PROMPTS[3], "max_tokens": 8, "temperature": 0.8, "seed": 42, "n": 3, "logprobs": 2});
+    let (st, a) = post(&s, "/v1/completions", body.clone()).await;
+    assert_eq!(st, 200, "{a}");
+    let (_, b) = post(&s, "/v1/completions", body).await;
+    assert_eq!(a["choices"].as_array().unwrap().len(), 3);
+    for i in 0..3 {
+        assert_eq!(
+            a["choices"][i]["text"], b["choices"][i]["text"],
+            "seeded sampling is reproducible"
+        );
+        let lp = &a["choices"][i]["logprobs"];
+        assert_eq!(lp["tokens"].as_array().unwrap().len(), 8);
+        assert_eq!(lp["top_logprobs"][0].as_object().unwrap().len(), 2);
+        assert!(lp["token_logprobs"][0].as_f64().unwrap() <= 0.0);
+    }
+    assert_eq!(a["usage"]["completion_tokens"], 24);
+}

@@ -408,3 +408,27 @@ mod tests {
         assert_eq!(&c.to_f32().unwrap()[..128], &a[..]);
     }
 }
+
+#[cfg(test)]
+mod native_tests {
+    use super::*;
+
+    /// Matrices kept in a GGUF quantized type compute what their dequantized f32 form does.
+    #[test]
+    fn native_quantized_types_match_their_f32_form() {
+        for (rows, cols, m_rows) in [(64, 576, 2), (960, 576, 1), (576, 1536, 1), (3072, 576, 3), (960, 576, 37), (576, 1536, 20)] {
+            let v: Vec<f32> = (0..rows * cols)
+                .map(|i| ((i * 7919 % 1000) as f32 / 500.0) - 1.0)
+                .collect();
+            let t = Tensor::from_vec(v, (rows, cols), &Device::Cpu).unwrap();
+            let x: Vec<f32> = (0..m_rows * cols).map(|i| (i as f32 * 0.11).cos()).collect();
+            for dt in [GgmlDType::Q4_1, GgmlDType::Q8_0, GgmlDType::Q4_0] {
+                let m = HostMatrix::from_qtensor(&QTensor::quantize(&t, dt).unwrap()).unwrap();
+                let want = m.clone().into_linear(WeightMode::F32).unwrap().forward(&x, m_rows).unwrap();
+                let got = m.into_linear(WeightMode::Native).unwrap().forward(&x, m_rows).unwrap();
+                let d = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                assert!(d < 0.5, "{dt:?} [{rows}, {cols}] m={m_rows}: {d}");
+            }
+        }
+    }
+}

@@ -5,10 +5,19 @@
 //!   start loads, report finished transfers), plus the no-op connector of a single instance.
 //! - [`nixl`]: the NIXL transport under the worker side: agents over the worker's KV memory, the
 //!   handshake between instances, block READs/WRITEs and notifications.
+//! - [`config`]: [`KvTransferConfig`], the `--kv-transfer-config` JSON (vLLM's keys, defaults).
+//! - [`params`]: `kv_transfer_params`, parsed and validated ([`params::TransferRequest`]).
+//! - [`pull`]: the NIXL pull connector ([`pull::nixl_pull_connector`]): producer leases,
+//!   consumer READs on a transfer thread, the handshake the server serves.
 //! - [`error`]: the crate's error type.
 
 pub mod base;
+pub mod config;
 pub mod error;
 pub mod nixl;
+pub mod params;
+pub mod pull;
 
+pub use config::{KvRole, KvTransferConfig, LoadFailurePolicy};
 pub use error::KvConnectorError;
+pub use pull::{nixl_pull_connector, HandshakeProvider, NixlPullConnector, HANDSHAKE_PATH};

@@ -1,0 +1,621 @@
+//! [`KvTransferConfig`]: the `--kv-transfer-config` JSON, with vLLM's keys.
+//!
+//! ```json
+//! {"kv_connector": "NixlConnector", "kv_role": "kv_consumer",
+//!  "engine_id": "decode-0", "kv_load_failure_policy": "recompute",
+//!  "kv_connector_extra_config": {"side_channel_host": "10.0.0.2", "kv_lease_duration": 30}}
+//! ```
+//!
+//! | key | values | default |
+//! |---|---|---|
+//! | `kv_connector` | `"NixlConnector"` | required |
+//! | `kv_role` | `"kv_producer"`, `"kv_consumer"`, `"kv_both"` | required |
+//! | `engine_id` | non-empty string, at most 128 bytes | a random UUID (v4) |
+//! | `kv_load_failure_policy` | `"fail"`, `"recompute"` | `"recompute"` |
+//! | `enable_kv_checksum` | bool | `false` |
+//! | `kv_checksum_fail_closed` | bool | `false` |
+//! | `kv_fault_injection` | object (kept as JSON for the fault-injecting connector) | none |
+//! | `kv_connector_extra_config` | object, keys below | `{}` |
+//!
+//! `kv_connector_extra_config`:
+//!
+//! | key | meaning | default |
+//! |---|---|---|
+//! | `side_channel_host` | the host a producer advertises as `remote_host` (consumers fetch its handshake from `http://{host}:{HTTP port}/v1/kv/handshake`) | `$TANDEM_NIXL_SIDE_CHANNEL_HOST`, else `127.0.0.1` |
+//! | `kv_lease_duration` | seconds a producer holds a finished request's blocks for its consumer (renewed by the consumer) | 30 |
+//! | `load_timeout` | seconds a consumer's READ may take, from its post | 30 |
+//! | `handshake_timeout` | seconds to fetch a producer's handshake | 5 |
+//! | `nixl_lib_dir` | directory of `libnixl_capi.so` (see `nixl::library`) | discovery |
+//! | `progress_thread` | run NIXL's progress thread | on for `kv_producer`/`kv_both`, off for `kv_consumer` |
+//!
+//! Durations are numbers of seconds (fractions allowed), greater than 0 and at most one day.
+//!
+//! Invariants: parsing is strict (an unknown key, at either level, is an error that lists the
+//! known keys; a value of the wrong type or out of range is an error that names the key); a
+//! parsed config is complete (every default filled in), so nothing downstream re-derives one.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use serde_json::{Map, Value};
+
+use crate::error::KvConnectorError;
+
+/// The only `kv_connector` this crate implements.
+pub const NIXL_CONNECTOR: &str = "NixlConnector";
+/// Environment variable with the default `side_channel_host`.
+pub const SIDE_CHANNEL_HOST_ENV: &str = "TANDEM_NIXL_SIDE_CHANNEL_HOST";
+/// `side_channel_host` when neither the config nor the environment names one.
+pub const DEFAULT_SIDE_CHANNEL_HOST: &str = "127.0.0.1";
+pub const DEFAULT_KV_LEASE_DURATION: Duration = Duration::from_secs(30);
+pub const DEFAULT_LOAD_TIMEOUT: Duration = Duration::from_secs(30);
+pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Longest duration any of the duration keys accepts.
+pub const MAX_DURATION: Duration = Duration::from_secs(24 * 3600);
+/// Longest `engine_id`; it travels in every `kv_transfer_params`.
+pub const MAX_ENGINE_ID_LEN: usize = 128;
+
+const TOP_KEYS: [&str; 8] = [
+    "kv_connector",
+    "kv_role",
+    "engine_id",
+    "kv_load_failure_policy",
+    "kv_connector_extra_config",
+    "enable_kv_checksum",
+    "kv_checksum_fail_closed",
+    "kv_fault_injection",
+];
+const EXTRA_KEYS: [&str; 6] = [
+    "side_channel_host",
+    "kv_lease_duration",
+    "load_timeout",
+    "handshake_timeout",
+    "nixl_lib_dir",
+    "progress_thread",
+];
+
+/// What an instance does in P/D disaggregation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum KvRole {
+    /// Prefills requests with `do_remote_decode` and holds their KV for consumers.
+    Producer,
+    /// Loads the KV of requests with `do_remote_prefill` from producers, then decodes.
+    Consumer,
+    /// Both.
+    Both,
+}
+
+impl KvRole {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KvRole::Producer => "kv_producer",
+            KvRole::Consumer => "kv_consumer",
+            KvRole::Both => "kv_both",
+        }
+    }
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "kv_producer" => Some(KvRole::Producer),
+            "kv_consumer" => Some(KvRole::Consumer),
+            "kv_both" => Some(KvRole::Both),
+            _ => None,
+        }
+    }
+    /// Whether this instance serves `do_remote_decode` requests (holds KV for others).
+    pub fn is_producer(self) -> bool {
+        matches!(self, KvRole::Producer | KvRole::Both)
+    }
+    /// Whether this instance serves `do_remote_prefill` requests (loads KV from others).
+    pub fn is_consumer(self) -> bool {
+        matches!(self, KvRole::Consumer | KvRole::Both)
+    }
+}
+
+/// What a consumer does when a KV load fails (the engine has its own copy of this enum).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LoadFailurePolicy {
+    /// The request ends with an error response.
+    Fail,
+    /// The consumer prefills the prompt itself.
+    #[default]
+    Recompute,
+}
+
+impl LoadFailurePolicy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LoadFailurePolicy::Fail => "fail",
+            LoadFailurePolicy::Recompute => "recompute",
+        }
+    }
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "fail" => Some(LoadFailurePolicy::Fail),
+            "recompute" => Some(LoadFailurePolicy::Recompute),
+            _ => None,
+        }
+    }
+}
+
+/// `kv_connector_extra_config` of the NIXL connector, defaults filled in.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NixlExtraConfig {
+    pub side_channel_host: String,
+    pub kv_lease_duration: Duration,
+    pub load_timeout: Duration,
+    pub handshake_timeout: Duration,
+    pub nixl_lib_dir: Option<PathBuf>,
+    /// `None` in the JSON means: the role's default ([`KvTransferConfig::progress_thread`]).
+    pub progress_thread: Option<bool>,
+}
+
+impl NixlExtraConfig {
+    /// Every default; `side_channel_host` read from the environment.
+    pub fn defaults() -> Self {
+        NixlExtraConfig {
+            side_channel_host: std::env::var(SIDE_CHANNEL_HOST_ENV)
+                .ok()
+                .filter(|h| !h.trim().is_empty())
+                .unwrap_or_else(|| DEFAULT_SIDE_CHANNEL_HOST.to_string()),
+            kv_lease_duration: DEFAULT_KV_LEASE_DURATION,
+            load_timeout: DEFAULT_LOAD_TIMEOUT,
+            handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
+            nixl_lib_dir: None,
+            progress_thread: None,
+        }
+    }
+}
+
+/// The parsed `--kv-transfer-config`. See the module docs for keys and defaults.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KvTransferConfig {
+    /// Always [`NIXL_CONNECTOR`] today.
+    pub kv_connector: String,
+    pub kv_role: KvRole,
+    pub engine_id: String,
+    pub kv_load_failure_policy: LoadFailurePolicy,
+    pub kv_connector_extra_config: NixlExtraConfig,
+    pub enable_kv_checksum: bool,
+    pub kv_checksum_fail_closed: bool,
+    /// The fault-injecting connector's settings, uninterpreted here.
+    pub kv_fault_injection: Option<Value>,
+}
+
+fn invalid(msg: impl Into<String>) -> KvConnectorError {
+    KvConnectorError::InvalidConfig(msg.into())
+}
+
+fn type_name(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+fn check_keys(
+    obj: &Map<String, Value>,
+    known: &[&str],
+    what: &str,
+) -> Result<(), KvConnectorError> {
+    let mut unknown: Vec<&str> = obj
+        .keys()
+        .map(String::as_str)
+        .filter(|k| !known.contains(k))
+        .collect();
+    if unknown.is_empty() {
+        return Ok(());
+    }
+    unknown.sort_unstable();
+    Err(invalid(format!(
+        "unknown key{} {} in {what}; known keys: {}",
+        if unknown.len() > 1 { "s" } else { "" },
+        unknown
+            .iter()
+            .map(|k| format!("{k:?}"))
+            .collect::<Vec<_>>()
+            .join(", "),
+        known.join(", ")
+    )))
+}
+
+fn get_str<'a>(
+    obj: &'a Map<String, Value>,
+    key: &str,
+) -> Result<Option<&'a str>, KvConnectorError> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s)),
+        Some(v) => Err(invalid(format!(
+            "{key} must be a string, got {}",
+            type_name(v)
+        ))),
+    }
+}
+
+fn get_bool(obj: &Map<String, Value>, key: &str) -> Result<Option<bool>, KvConnectorError> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Bool(b)) => Ok(Some(*b)),
+        Some(v) => Err(invalid(format!(
+            "{key} must be a boolean, got {}",
+            type_name(v)
+        ))),
+    }
+}
+
+fn get_secs(obj: &Map<String, Value>, key: &str) -> Result<Option<Duration>, KvConnectorError> {
+    let secs = match obj.get(key) {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::Number(n)) => n.as_f64().unwrap_or(f64::NAN),
+        Some(v) => {
+            return Err(invalid(format!(
+                "{key} must be a number of seconds, got {}",
+                type_name(v)
+            )))
+        }
+    };
+    if !(secs > 0.0 && secs <= MAX_DURATION.as_secs_f64()) {
+        return Err(invalid(format!(
+            "{key} must be more than 0 and at most {} seconds, got {secs}",
+            MAX_DURATION.as_secs()
+        )));
+    }
+    Ok(Some(Duration::from_secs_f64(secs)))
+}
+
+impl KvTransferConfig {
+    /// Parses the `--kv-transfer-config` JSON text.
+    pub fn parse(json: &str) -> Result<Self, KvConnectorError> {
+        let value: Value =
+            serde_json::from_str(json).map_err(|e| invalid(format!("not valid JSON: {e}")))?;
+        Self::from_value(&value)
+    }
+
+    /// Parses an already decoded JSON value (e.g. a TOML table converted to JSON).
+    pub fn from_value(value: &Value) -> Result<Self, KvConnectorError> {
+        let Value::Object(obj) = value else {
+            return Err(invalid(format!(
+                "must be a JSON object, got {}",
+                type_name(value)
+            )));
+        };
+        check_keys(obj, &TOP_KEYS, "kv_transfer_config")?;
+
+        let kv_connector = get_str(obj, "kv_connector")?
+            .ok_or_else(|| invalid(format!("kv_connector is required (\"{NIXL_CONNECTOR}\")")))?;
+        if kv_connector != NIXL_CONNECTOR {
+            return Err(invalid(format!(
+                "kv_connector {kv_connector:?} is not supported; the only connector is \"{NIXL_CONNECTOR}\""
+            )));
+        }
+        let role = get_str(obj, "kv_role")?.ok_or_else(|| {
+            invalid("kv_role is required: \"kv_producer\", \"kv_consumer\" or \"kv_both\"")
+        })?;
+        let kv_role = KvRole::parse(role).ok_or_else(|| {
+            invalid(format!(
+                "kv_role {role:?} is not one of \"kv_producer\", \"kv_consumer\", \"kv_both\""
+            ))
+        })?;
+        let engine_id = match get_str(obj, "engine_id")? {
+            None => uuid::Uuid::new_v4().to_string(),
+            Some(id) => {
+                if id.is_empty() || id.len() > MAX_ENGINE_ID_LEN || id.chars().any(char::is_control)
+                {
+                    return Err(invalid(format!(
+                        "engine_id must be 1 to {MAX_ENGINE_ID_LEN} bytes without control \
+                         characters, got {id:?}"
+                    )));
+                }
+                id.to_string()
+            }
+        };
+        let kv_load_failure_policy = match get_str(obj, "kv_load_failure_policy")? {
+            None => LoadFailurePolicy::default(),
+            Some(p) => LoadFailurePolicy::parse(p).ok_or_else(|| {
+                invalid(format!(
+                    "kv_load_failure_policy {p:?} is not one of \"fail\", \"recompute\""
+                ))
+            })?,
+        };
+        let kv_connector_extra_config = match obj.get("kv_connector_extra_config") {
+            None | Some(Value::Null) => NixlExtraConfig::defaults(),
+            Some(Value::Object(extra)) => parse_extra(extra)?,
+            Some(v) => {
+                return Err(invalid(format!(
+                    "kv_connector_extra_config must be an object, got {}",
+                    type_name(v)
+                )))
+            }
+        };
+        let kv_fault_injection = match obj.get("kv_fault_injection") {
+            None | Some(Value::Null) => None,
+            Some(v @ Value::Object(_)) => Some(v.clone()),
+            Some(v) => {
+                return Err(invalid(format!(
+                    "kv_fault_injection must be an object, got {}",
+                    type_name(v)
+                )))
+            }
+        };
+        Ok(KvTransferConfig {
+            kv_connector: kv_connector.to_string(),
+            kv_role,
+            engine_id,
+            kv_load_failure_policy,
+            kv_connector_extra_config,
+            enable_kv_checksum: get_bool(obj, "enable_kv_checksum")?.unwrap_or(false),
+            kv_checksum_fail_closed: get_bool(obj, "kv_checksum_fail_closed")?.unwrap_or(false),
+            kv_fault_injection,
+        })
+    }
+
+    /// Whether the NIXL agent runs its progress thread: the explicit setting, else on for a
+    /// role that produces (a passive READ target must answer without calling NIXL) and off
+    /// for a pure consumer (it only initiates; faster without, see `nixl::agent`).
+    pub fn progress_thread(&self) -> bool {
+        self.kv_connector_extra_config
+            .progress_thread
+            .unwrap_or(self.kv_role.is_producer())
+    }
+
+    /// The config as JSON with every default filled in (for logs and `/v1/…` introspection).
+    pub fn to_value(&self) -> Value {
+        let x = &self.kv_connector_extra_config;
+        let mut extra = serde_json::json!({
+            "side_channel_host": x.side_channel_host,
+            "kv_lease_duration": x.kv_lease_duration.as_secs_f64(),
+            "load_timeout": x.load_timeout.as_secs_f64(),
+            "handshake_timeout": x.handshake_timeout.as_secs_f64(),
+            "progress_thread": self.progress_thread(),
+        });
+        if let Some(dir) = &x.nixl_lib_dir {
+            extra["nixl_lib_dir"] = Value::String(dir.display().to_string());
+        }
+        let mut v = serde_json::json!({
+            "kv_connector": self.kv_connector,
+            "kv_role": self.kv_role.as_str(),
+            "engine_id": self.engine_id,
+            "kv_load_failure_policy": self.kv_load_failure_policy.as_str(),
+            "kv_connector_extra_config": extra,
+            "enable_kv_checksum": self.enable_kv_checksum,
+            "kv_checksum_fail_closed": self.kv_checksum_fail_closed,
+        });
+        if let Some(f) = &self.kv_fault_injection {
+            v["kv_fault_injection"] = f.clone();
+        }
+        v
+    }
+}
+
+fn parse_extra(extra: &Map<String, Value>) -> Result<NixlExtraConfig, KvConnectorError> {
+    check_keys(extra, &EXTRA_KEYS, "kv_connector_extra_config")?;
+    let mut cfg = NixlExtraConfig::defaults();
+    if let Some(host) = get_str(extra, "side_channel_host")? {
+        let host = host.trim();
+        if host.is_empty()
+            || host.len() > 253
+            || host.chars().any(|c| c.is_whitespace() || c == '/')
+        {
+            return Err(invalid(format!(
+                "side_channel_host must be a host name or IP address, got {host:?}"
+            )));
+        }
+        cfg.side_channel_host = host.to_string();
+    }
+    if let Some(d) = get_secs(extra, "kv_lease_duration")? {
+        cfg.kv_lease_duration = d;
+    }
+    if let Some(d) = get_secs(extra, "load_timeout")? {
+        cfg.load_timeout = d;
+    }
+    if let Some(d) = get_secs(extra, "handshake_timeout")? {
+        cfg.handshake_timeout = d;
+    }
+    if let Some(dir) = get_str(extra, "nixl_lib_dir")? {
+        if dir.is_empty() {
+            return Err(invalid("nixl_lib_dir must not be empty"));
+        }
+        cfg.nixl_lib_dir = Some(PathBuf::from(dir));
+    }
+    cfg.progress_thread = get_bool(extra, "progress_thread")?;
+    Ok(cfg)
+}
+
+impl std::str::FromStr for KvTransferConfig {
+    type Err = KvConnectorError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::parse(s)
+    }
+}
+
+impl Serialize for KvTransferConfig {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.to_value().serialize(s)
+    }
+}
+
+/// Deserializes from any self-describing format (JSON, a TOML table) with the same checks as
+/// [`KvTransferConfig::parse`].
+impl<'de> Deserialize<'de> for KvTransferConfig {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let v = Value::deserialize(d)?;
+        // A string holding the JSON (as on the command line) is accepted too.
+        let parsed = match &v {
+            Value::String(s) => Self::parse(s),
+            _ => Self::from_value(&v),
+        };
+        parsed.map_err(serde::de::Error::custom)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err(json: &str) -> String {
+        KvTransferConfig::parse(json).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn the_minimal_config_takes_every_default() {
+        let c = KvTransferConfig::parse(r#"{"kv_connector":"NixlConnector","kv_role":"kv_both"}"#)
+            .unwrap();
+        assert_eq!(c.kv_role, KvRole::Both);
+        assert_eq!(c.kv_load_failure_policy, LoadFailurePolicy::Recompute);
+        assert!(
+            uuid::Uuid::parse_str(&c.engine_id).is_ok(),
+            "{}",
+            c.engine_id
+        );
+        let x = &c.kv_connector_extra_config;
+        assert_eq!(x.kv_lease_duration, Duration::from_secs(30));
+        assert_eq!(x.load_timeout, Duration::from_secs(30));
+        assert_eq!(x.handshake_timeout, Duration::from_secs(5));
+        assert!(!c.enable_kv_checksum && !c.kv_checksum_fail_closed);
+        assert!(c.kv_fault_injection.is_none());
+        assert!(c.progress_thread());
+        // Two configs without engine_id get different ids.
+        let d = KvTransferConfig::parse(r#"{"kv_connector":"NixlConnector","kv_role":"kv_both"}"#)
+            .unwrap();
+        assert_ne!(c.engine_id, d.engine_id);
+    }
+
+    #[test]
+    fn every_key_is_read() {
+        let c = KvTransferConfig::parse(
+            r#"{"kv_connector":"NixlConnector","kv_role":"kv_consumer","engine_id":"d0",
+                "kv_load_failure_policy":"fail","enable_kv_checksum":true,
+                "kv_checksum_fail_closed":true,"kv_fault_injection":{"drop":0.5},
+                "kv_connector_extra_config":{"side_channel_host":"10.1.2.3",
+                  "kv_lease_duration":2.5,"load_timeout":7,"handshake_timeout":1,
+                  "nixl_lib_dir":"/opt/nixl","progress_thread":true}}"#,
+        )
+        .unwrap();
+        assert_eq!(c.engine_id, "d0");
+        assert_eq!(c.kv_role, KvRole::Consumer);
+        assert_eq!(c.kv_load_failure_policy, LoadFailurePolicy::Fail);
+        assert!(c.enable_kv_checksum && c.kv_checksum_fail_closed);
+        assert_eq!(c.kv_fault_injection, Some(serde_json::json!({"drop": 0.5})));
+        let x = &c.kv_connector_extra_config;
+        assert_eq!(x.side_channel_host, "10.1.2.3");
+        assert_eq!(x.kv_lease_duration, Duration::from_millis(2500));
+        assert_eq!(x.load_timeout, Duration::from_secs(7));
+        assert_eq!(x.handshake_timeout, Duration::from_secs(1));
+        assert_eq!(
+            x.nixl_lib_dir.as_deref(),
+            Some(std::path::Path::new("/opt/nixl"))
+        );
+        assert!(c.progress_thread());
+        // Round trip through the filled-in form.
+        let again = KvTransferConfig::from_value(&c.to_value()).unwrap();
+        assert_eq!(again, c);
+        // A pure consumer runs without the progress thread unless told otherwise.
+        let c =
+            KvTransferConfig::parse(r#"{"kv_connector":"NixlConnector","kv_role":"kv_consumer"}"#)
+                .unwrap();
+        assert!(!c.progress_thread());
+    }
+
+    #[test]
+    fn unknown_keys_are_listed_with_the_known_ones() {
+        let e = err(r#"{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_buffer_size":1}"#);
+        assert!(e.contains("\"kv_buffer_size\""), "{e}");
+        assert!(
+            e.contains("known keys: kv_connector, kv_role, engine_id"),
+            "{e}"
+        );
+        let e = err(r#"{"kv_connector":"NixlConnector","kv_role":"kv_both",
+                "kv_connector_extra_config":{"lease":3}}"#);
+        assert!(e.contains("\"lease\" in kv_connector_extra_config"), "{e}");
+        assert!(e.contains("kv_lease_duration"), "{e}");
+    }
+
+    #[test]
+    fn wrong_values_name_their_key() {
+        let base = |extra: &str| {
+            format!(r#"{{"kv_connector":"NixlConnector","kv_role":"kv_both"{extra}}}"#)
+        };
+        for (json, needle) in [
+            (
+                r#"{"kv_connector":"NixlConnector","kv_role":"producer"}"#.to_string(),
+                "kv_role \"producer\"",
+            ),
+            (
+                r#"{"kv_connector":"NixlConnector"}"#.to_string(),
+                "kv_role is required",
+            ),
+            (
+                r#"{"kv_role":"kv_both"}"#.to_string(),
+                "kv_connector is required",
+            ),
+            (
+                r#"{"kv_connector":"LMCacheConnector","kv_role":"kv_both"}"#.to_string(),
+                "not supported",
+            ),
+            (
+                base(r#","kv_load_failure_policy":"retry""#),
+                "kv_load_failure_policy \"retry\"",
+            ),
+            (base(r#","engine_id":"""#), "engine_id"),
+            (
+                base(r#","engine_id":7"#),
+                "engine_id must be a string, got a number",
+            ),
+            (
+                base(r#","enable_kv_checksum":"yes""#),
+                "enable_kv_checksum must be a boolean",
+            ),
+            (
+                base(r#","kv_fault_injection":[1]"#),
+                "kv_fault_injection must be an object",
+            ),
+            (
+                base(r#","kv_connector_extra_config":3"#),
+                "kv_connector_extra_config must be an object",
+            ),
+            (
+                base(r#","kv_connector_extra_config":{"kv_lease_duration":0}"#),
+                "kv_lease_duration must be more than 0",
+            ),
+            (
+                base(r#","kv_connector_extra_config":{"load_timeout":-1}"#),
+                "load_timeout",
+            ),
+            (
+                base(r#","kv_connector_extra_config":{"handshake_timeout":"5s"}"#),
+                "handshake_timeout must be a number of seconds",
+            ),
+            (
+                base(r#","kv_connector_extra_config":{"side_channel_host":"a b"}"#),
+                "side_channel_host",
+            ),
+            ("[]".to_string(), "must be a JSON object"),
+            ("{".to_string(), "not valid JSON"),
+        ] {
+            let e = err(&json);
+            assert!(e.starts_with("invalid kv_transfer_config: "), "{e}");
+            assert!(e.contains(needle), "{json}: {e}");
+        }
+    }
+
+    #[test]
+    fn deserializes_from_a_table_or_a_json_string() {
+        let c: KvTransferConfig = serde_json::from_str(
+            r#"{"kv_connector":"NixlConnector","kv_role":"kv_producer","engine_id":"p"}"#,
+        )
+        .unwrap();
+        assert_eq!(c.kv_role, KvRole::Producer);
+        let c: KvTransferConfig = serde_json::from_value(Value::String(
+            r#"{"kv_connector":"NixlConnector","kv_role":"kv_producer","engine_id":"p"}"#.into(),
+        ))
+        .unwrap();
+        assert_eq!(c.engine_id, "p");
+        let e = serde_json::from_str::<KvTransferConfig>(r#"{"kv_role":"x"}"#).unwrap_err();
+        assert!(e.to_string().contains("kv_connector is required"), "{e}");
+    }
+}

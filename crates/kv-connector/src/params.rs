@@ -1,0 +1,369 @@
+//! `kv_transfer_params`: what a request says about P/D, and what a producer answers.
+//!
+//! A request's `kv_transfer_params` (set by the proxy, never by a client: the proxy strips them)
+//! is one of:
+//! - absent, `null`, `{}`, or both flags false: an ordinary local request;
+//! - `{"do_remote_decode": true}`: a producer request (prefill here, keep the KV for a consumer);
+//! - `{"do_remote_prefill": true, "remote_engine_id", "remote_request_id", "remote_block_ids",
+//!   "remote_host", "remote_port", "tp_size"}`: a consumer request (load the prompt's KV from the
+//!   producer, then decode). This is exactly what the producer answered ([`RemotePrefill::to_value`]).
+//!
+//! Invariants of a parsed [`RemotePrefill`] (anything else is
+//! [`KvConnectorError::InvalidTransferParams`], so a forged or malformed value never reaches a
+//! transfer): `remote_block_ids` has exactly `cdiv(prompt_len, block_size)` distinct entries; the
+//! ids are non-empty strings of at most [`MAX_ID_LEN`] bytes without control characters; the host
+//! is a plain host name or IP literal; the port is 1..=65535; `tp_size` is 1. Unknown keys are
+//! ignored (the checksum feature adds `kv_checksums`). Whether remote block ids exist on the
+//! producer is checked against its handshake at transfer time.
+
+use std::collections::HashSet;
+
+use serde_json::{Map, Value};
+use tandem_kv_cache::BlockId;
+
+use crate::error::KvConnectorError;
+
+/// Longest `remote_engine_id` / `remote_request_id` accepted.
+pub const MAX_ID_LEN: usize = 256;
+/// Longest `remote_host` accepted (a DNS name's limit).
+pub const MAX_HOST_LEN: usize = 253;
+/// The only TP size pull mode supports today.
+pub const SUPPORTED_TP_SIZE: u64 = 1;
+
+/// What a request's `kv_transfer_params` ask of this instance.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TransferRequest {
+    /// Nothing: serve it like a single instance.
+    Local,
+    /// `do_remote_decode`: prefill here and hold the KV for a consumer.
+    Producer,
+    /// `do_remote_prefill`: load the prompt's KV from a producer.
+    Consumer(RemotePrefill),
+}
+
+/// Where a consumer request's KV lives: the producer's answer.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct RemotePrefill {
+    pub remote_engine_id: String,
+    pub remote_request_id: String,
+    /// The producer's blocks holding the prompt, in prompt order.
+    pub remote_block_ids: Vec<BlockId>,
+    pub remote_host: String,
+    /// The producer's HTTP port (its handshake is served there).
+    pub remote_port: u16,
+    pub tp_size: u64,
+}
+
+fn bad(reason: impl Into<String>) -> KvConnectorError {
+    KvConnectorError::InvalidTransferParams(reason.into())
+}
+
+fn get_flag(obj: &Map<String, Value>, key: &str) -> Result<bool, KvConnectorError> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(_) => Err(bad(format!("{key} must be a boolean"))),
+    }
+}
+
+fn get_id(obj: &Map<String, Value>, key: &str) -> Result<String, KvConnectorError> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Err(bad(format!("{key} is missing"))),
+        Some(Value::String(s)) => {
+            if s.is_empty() || s.len() > MAX_ID_LEN || s.chars().any(char::is_control) {
+                Err(bad(format!(
+                    "{key} must be 1 to {MAX_ID_LEN} bytes without control characters"
+                )))
+            } else {
+                Ok(s.clone())
+            }
+        }
+        Some(_) => Err(bad(format!("{key} must be a string"))),
+    }
+}
+
+fn get_uint(obj: &Map<String, Value>, key: &str) -> Result<u64, KvConnectorError> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Err(bad(format!("{key} is missing"))),
+        Some(Value::Number(n)) => n
+            .as_u64()
+            .ok_or_else(|| bad(format!("{key} must be a non-negative integer, got {n}"))),
+        Some(_) => Err(bad(format!("{key} must be an integer"))),
+    }
+}
+
+/// A host name or IP literal: letters, digits, `.`, `-`, `_`, and for IPv6 `:`, `[`, `]`, `%`.
+fn valid_host(h: &str) -> bool {
+    !h.is_empty()
+        && h.len() <= MAX_HOST_LEN
+        && h.chars().all(|c| {
+            c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_' | ':' | '[' | ']' | '%')
+        })
+}
+
+impl TransferRequest {
+    /// Classifies a request by its `kv_transfer_params`; a consumer request is fully validated
+    /// against the prompt's length and the block size (see the module docs).
+    pub fn parse(
+        params: Option<&Value>,
+        prompt_len: usize,
+        block_size: usize,
+    ) -> Result<TransferRequest, KvConnectorError> {
+        let obj = match params {
+            None | Some(Value::Null) => return Ok(TransferRequest::Local),
+            Some(Value::Object(obj)) => obj,
+            Some(_) => return Err(bad("kv_transfer_params must be an object")),
+        };
+        let remote_decode = get_flag(obj, "do_remote_decode")?;
+        let remote_prefill = get_flag(obj, "do_remote_prefill")?;
+        match (remote_decode, remote_prefill) {
+            (false, false) => Ok(TransferRequest::Local),
+            (true, false) => Ok(TransferRequest::Producer),
+            (false, true) => Ok(TransferRequest::Consumer(RemotePrefill::from_object(
+                obj, prompt_len, block_size,
+            )?)),
+            (true, true) => Err(bad(
+                "do_remote_decode and do_remote_prefill cannot both be true",
+            )),
+        }
+    }
+}
+
+impl RemotePrefill {
+    fn from_object(
+        obj: &Map<String, Value>,
+        prompt_len: usize,
+        block_size: usize,
+    ) -> Result<RemotePrefill, KvConnectorError> {
+        let remote_engine_id = get_id(obj, "remote_engine_id")?;
+        let remote_request_id = get_id(obj, "remote_request_id")?;
+        let expected = prompt_len.div_ceil(block_size.max(1));
+        let remote_block_ids = match obj.get("remote_block_ids") {
+            None | Some(Value::Null) => return Err(bad("remote_block_ids is missing")),
+            Some(Value::Array(ids)) => {
+                if ids.len() != expected {
+                    return Err(bad(format!(
+                        "remote_block_ids has {} entries, but a prompt of {prompt_len} tokens \
+                         fills {expected} blocks of {block_size}",
+                        ids.len()
+                    )));
+                }
+                let mut seen = HashSet::with_capacity(ids.len());
+                let mut out = Vec::with_capacity(ids.len());
+                for v in ids {
+                    let id = v
+                        .as_u64()
+                        .and_then(|n| BlockId::try_from(n).ok())
+                        .ok_or_else(|| {
+                            bad(format!("remote_block_ids holds {v}, not a block id"))
+                        })?;
+                    if !seen.insert(id) {
+                        return Err(bad(format!("remote_block_ids holds block {id} twice")));
+                    }
+                    out.push(id);
+                }
+                out
+            }
+            Some(_) => return Err(bad("remote_block_ids must be an array of block ids")),
+        };
+        let remote_host = match obj.get("remote_host") {
+            None | Some(Value::Null) => return Err(bad("remote_host is missing")),
+            Some(Value::String(h)) if valid_host(h) => h.clone(),
+            Some(Value::String(h)) if h.is_empty() => return Err(bad("remote_host is empty")),
+            Some(_) => return Err(bad("remote_host must be a host name or IP address")),
+        };
+        let port = get_uint(obj, "remote_port")?;
+        let remote_port = match u16::try_from(port) {
+            Ok(p) if p > 0 => p,
+            _ => return Err(bad(format!("remote_port {port} is not in 1..=65535"))),
+        };
+        let tp_size = get_uint(obj, "tp_size")?;
+        if tp_size != SUPPORTED_TP_SIZE {
+            return Err(bad(format!(
+                "tp_size {tp_size} is not supported (pull mode needs tp_size {SUPPORTED_TP_SIZE})"
+            )));
+        }
+        Ok(RemotePrefill {
+            remote_engine_id,
+            remote_request_id,
+            remote_block_ids,
+            remote_host,
+            remote_port,
+            tp_size,
+        })
+    }
+
+    /// The `kv_transfer_params` a producer answers (and a consumer receives).
+    pub fn to_value(&self) -> Value {
+        serde_json::json!({
+            "do_remote_prefill": true,
+            "do_remote_decode": false,
+            "remote_engine_id": self.remote_engine_id,
+            "remote_request_id": self.remote_request_id,
+            "remote_block_ids": self.remote_block_ids,
+            "remote_host": self.remote_host,
+            "remote_port": self.remote_port,
+            "tp_size": self.tp_size,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn good() -> Value {
+        json!({"do_remote_prefill": true, "do_remote_decode": false, "remote_engine_id": "p0",
+               "remote_request_id": "7-abc", "remote_block_ids": [4, 9, 2],
+               "remote_host": "10.0.0.1", "remote_port": 8100, "tp_size": 1,
+               "kv_checksums": "AAAA"})
+    }
+
+    fn parse(v: &Value, prompt_len: usize) -> Result<TransferRequest, KvConnectorError> {
+        TransferRequest::parse(Some(v), prompt_len, 16)
+    }
+
+    #[test]
+    fn classifies_requests() {
+        assert_eq!(
+            TransferRequest::parse(None, 5, 16).unwrap(),
+            TransferRequest::Local
+        );
+        assert_eq!(parse(&Value::Null, 5).unwrap(), TransferRequest::Local);
+        assert_eq!(parse(&json!({}), 5).unwrap(), TransferRequest::Local);
+        assert_eq!(
+            parse(&json!({"do_remote_decode": true}), 5).unwrap(),
+            TransferRequest::Producer
+        );
+        let TransferRequest::Consumer(r) = parse(&good(), 33).unwrap() else {
+            panic!()
+        };
+        assert_eq!(r.remote_block_ids, vec![4, 9, 2]);
+        assert_eq!(r.remote_port, 8100);
+        // What the producer answers parses back to the same thing (unknown keys ignored).
+        assert_eq!(
+            parse(&r.to_value(), 48).unwrap(),
+            TransferRequest::Consumer(r.clone())
+        );
+    }
+
+    #[test]
+    fn malformed_or_forged_params_are_rejected_with_a_reason() {
+        let with = |key: &str, val: Value| {
+            let mut v = good();
+            v[key] = val;
+            v
+        };
+        let without = |key: &str| {
+            let mut v = good();
+            v.as_object_mut().unwrap().remove(key);
+            v
+        };
+        let cases: Vec<(Value, usize, &str)> = vec![
+            (json!([1]), 33, "must be an object"),
+            (
+                json!({"do_remote_prefill": "true"}),
+                33,
+                "do_remote_prefill must be a boolean",
+            ),
+            (
+                with("do_remote_decode", json!(true)),
+                33,
+                "cannot both be true",
+            ),
+            (
+                without("remote_engine_id"),
+                33,
+                "remote_engine_id is missing",
+            ),
+            (
+                with("remote_engine_id", json!("")),
+                33,
+                "remote_engine_id must be 1 to",
+            ),
+            (
+                with("remote_request_id", json!(7)),
+                33,
+                "remote_request_id must be a string",
+            ),
+            (
+                with("remote_request_id", json!("x".repeat(300))),
+                33,
+                "remote_request_id must be 1 to",
+            ),
+            (
+                without("remote_block_ids"),
+                33,
+                "remote_block_ids is missing",
+            ),
+            (
+                with("remote_block_ids", json!("4,9,2")),
+                33,
+                "must be an array",
+            ),
+            (
+                good(),
+                32,
+                "has 3 entries, but a prompt of 32 tokens fills 2 blocks",
+            ),
+            (good(), 49, "fills 4 blocks"),
+            (with("remote_block_ids", json!([4, -1, 2])), 33, "holds -1"),
+            (
+                with("remote_block_ids", json!([4, 1.5, 2])),
+                33,
+                "holds 1.5",
+            ),
+            (
+                with("remote_block_ids", json!([4, 4294967296u64, 2])),
+                33,
+                "not a block id",
+            ),
+            (
+                with("remote_block_ids", json!([4, 9, 4])),
+                33,
+                "block 4 twice",
+            ),
+            (
+                with("remote_block_ids", json!(vec![0; 100_000])),
+                33,
+                "100000 entries",
+            ),
+            (without("remote_host"), 33, "remote_host is missing"),
+            (with("remote_host", json!("")), 33, "remote_host is empty"),
+            (
+                with("remote_host", json!("evil.com/x?")),
+                33,
+                "remote_host must be",
+            ),
+            (with("remote_host", json!("a@b")), 33, "remote_host must be"),
+            (with("remote_host", json!(5)), 33, "remote_host must be"),
+            (
+                with("remote_port", json!(0)),
+                33,
+                "remote_port 0 is not in 1..=65535",
+            ),
+            (with("remote_port", json!(65536)), 33, "remote_port 65536"),
+            (
+                with("remote_port", json!(-1)),
+                33,
+                "remote_port must be a non-negative integer",
+            ),
+            (
+                with("remote_port", json!("8100")),
+                33,
+                "remote_port must be an integer",
+            ),
+            (without("tp_size"), 33, "tp_size is missing"),
+            (with("tp_size", json!(2)), 33, "tp_size 2 is not supported"),
+        ];
+        for (v, prompt_len, needle) in cases {
+            match parse(&v, prompt_len) {
+                Err(KvConnectorError::InvalidTransferParams(reason)) => {
+                    assert!(reason.contains(needle), "{v}: {reason}")
+                }
+                other => panic!("{v}: expected a rejection with {needle:?}, got {other:?}"),
+            }
+        }
+    }
+}

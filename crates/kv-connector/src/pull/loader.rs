@@ -1,0 +1,502 @@
+//! The consumer's transfer thread: handshakes with producers, READs, and their outcomes, off
+//! the engine thread.
+//!
+//! Per load: find the producer's peer (cached by [`PeerAddr`]; otherwise fetch
+//! `GET http://{host}:{port}/v1/kv/handshake` on a short-lived thread with `handshake_timeout`,
+//! check that its engine id is the one the params name, and `add_peer`, which checks
+//! compatibility), send a renew notification, post ONE READ of the request's blocks with the
+//! done notification attached, and poll it until it completes, fails, or `load_timeout` passes.
+//!
+//! Invariants:
+//! - The consumer reads only from peers whose handshake it fetched and accepted itself.
+//! - Every job yields exactly one [`LoadResult`], whatever happens (a cancelled job too), and a
+//!   READ's handle is dropped (the transfer cancelled) before its failure or cancellation is
+//!   reported, so nothing writes into the blocks once the scheduler may reuse them.
+//! - After a failed, timed-out or cancelled READ the producer is told `done` (best effort) so it
+//!   frees before its lease expires; a peer whose transfer failed is forgotten, and the next load
+//!   from that address fetches a fresh handshake.
+//! - The thread never blocks on one producer for longer than a poll: handshakes run on their own
+//!   threads, READs are polled together.
+
+use std::collections::HashMap;
+use std::io::Read;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::protocol::{LoadKind, PeerAddr, PullNotif};
+use crate::error::KvConnectorError;
+use crate::nixl::{NixlAgent, NixlHandshake, TransferHandle, TransferStats, TransferStatus};
+
+/// Largest handshake body accepted (a few KB per layer; anything near this is hostile).
+const MAX_HANDSHAKE_BYTES: u64 = 16 << 20;
+/// How long the idle thread waits for a message before checking again.
+const IDLE_WAIT: Duration = Duration::from_millis(100);
+
+/// Timeouts of the loader.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LoaderConfig {
+    pub load_timeout: Duration,
+    pub handshake_timeout: Duration,
+    /// Renew notifications go out every half of this while a READ is in flight.
+    pub kv_lease_duration: Duration,
+}
+
+/// One job for the thread.
+#[derive(Debug)]
+pub(crate) struct LoadJob {
+    pub request_id: u64,
+    pub kind: LoadKind,
+    pub peer: PeerAddr,
+    pub remote_request_id: String,
+    pub local: Vec<usize>,
+    pub remote: Vec<usize>,
+    pub cancel: Arc<AtomicBool>,
+}
+
+/// How a job ended.
+#[derive(Debug)]
+pub(crate) enum LoadOutcome {
+    Loaded(TransferStats),
+    Failed(String),
+    /// The job's cancel flag was seen; nothing writes into its blocks any more.
+    Cancelled,
+    /// A release job ended (`Ok`: the producer was told).
+    Released(Result<(), String>),
+}
+
+#[derive(Debug)]
+pub(crate) struct LoadResult {
+    pub request_id: u64,
+    pub outcome: LoadOutcome,
+}
+
+enum Msg {
+    Job(Box<LoadJob>),
+    Handshake(PeerAddr, Result<NixlHandshake, String>),
+    Shutdown,
+}
+
+/// The worker's end of the transfer thread.
+pub(crate) struct Loader {
+    tx: Sender<Msg>,
+    results: Receiver<LoadResult>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Loader {
+    pub fn spawn(agent: Arc<NixlAgent>, config: LoaderConfig) -> Result<Self, KvConnectorError> {
+        let (tx, rx) = mpsc::channel();
+        let (res_tx, results) = mpsc::channel();
+        let state = LoaderThread {
+            agent,
+            config,
+            tx: tx.clone(),
+            rx,
+            results: res_tx,
+            peers: HashMap::new(),
+            handshaking: HashMap::new(),
+            in_flight: Vec::new(),
+            client: None,
+        };
+        let thread = std::thread::Builder::new()
+            .name("tandem-kv-loader".into())
+            .spawn(move || state.run())
+            .map_err(|e| KvConnectorError::Nixl {
+                op: "transfer thread start",
+                reason: e.to_string(),
+            })?;
+        Ok(Loader {
+            tx,
+            results,
+            thread: Some(thread),
+        })
+    }
+
+    /// Hands a job to the thread; gives it back if the thread is gone.
+    pub fn submit(&self, job: LoadJob) -> Result<(), Box<LoadJob>> {
+        self.tx
+            .send(Msg::Job(Box::new(job)))
+            .map_err(|e| match e.0 {
+                Msg::Job(job) => job,
+                _ => unreachable!("only jobs are sent here"),
+            })
+    }
+
+    /// Results so far, without blocking.
+    pub fn drain(&self) -> Vec<LoadResult> {
+        self.results.try_iter().collect()
+    }
+}
+
+impl Drop for Loader {
+    fn drop(&mut self) {
+        let _ = self.tx.send(Msg::Shutdown);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+struct InFlight {
+    job: Box<LoadJob>,
+    peer_name: String,
+    handle: TransferHandle,
+    posted: Instant,
+    last_renew: Instant,
+    polls: u32,
+}
+
+struct LoaderThread {
+    agent: Arc<NixlAgent>,
+    config: LoaderConfig,
+    /// Cloned into handshake threads.
+    tx: Sender<Msg>,
+    rx: Receiver<Msg>,
+    results: Sender<LoadResult>,
+    /// Accepted producers: address → NIXL peer name.
+    peers: HashMap<PeerAddr, String>,
+    /// Jobs waiting for a handshake in progress.
+    handshaking: HashMap<PeerAddr, Vec<Box<LoadJob>>>,
+    in_flight: Vec<InFlight>,
+    client: Option<reqwest::blocking::Client>,
+}
+
+impl LoaderThread {
+    fn run(mut self) {
+        loop {
+            let msg = if self.in_flight.is_empty() {
+                match self.rx.recv_timeout(IDLE_WAIT) {
+                    Ok(m) => Some(m),
+                    Err(RecvTimeoutError::Timeout) => None,
+                    Err(RecvTimeoutError::Disconnected) => break,
+                }
+            } else {
+                self.rx.try_recv().ok()
+            };
+            let mut msgs: Vec<Msg> = msg.into_iter().collect();
+            msgs.extend(self.rx.try_iter());
+            for m in msgs {
+                match m {
+                    Msg::Job(job) => self.start(job),
+                    Msg::Handshake(addr, hs) => self.handshake_done(addr, hs),
+                    Msg::Shutdown => {
+                        self.shutdown();
+                        return;
+                    }
+                }
+            }
+            self.poll_in_flight();
+            if !self.in_flight.is_empty() {
+                let fresh = self.in_flight.iter().any(|f| f.polls < 64);
+                if fresh {
+                    std::thread::yield_now();
+                } else {
+                    std::thread::sleep(Duration::from_micros(50));
+                }
+            }
+        }
+        self.shutdown();
+    }
+
+    fn shutdown(&mut self) {
+        for f in std::mem::take(&mut self.in_flight) {
+            drop(f.handle);
+            self.report(
+                f.job.request_id,
+                LoadOutcome::Failed("the connector shut down".into()),
+            );
+        }
+        for (_, jobs) in std::mem::take(&mut self.handshaking) {
+            for job in jobs {
+                self.report(
+                    job.request_id,
+                    LoadOutcome::Failed("the connector shut down".into()),
+                );
+            }
+        }
+    }
+
+    fn report(&self, request_id: u64, outcome: LoadOutcome) {
+        let _ = self.results.send(LoadResult {
+            request_id,
+            outcome,
+        });
+    }
+
+    fn fail(&self, job: &LoadJob, reason: String) {
+        tracing::warn!(request = job.request_id, producer = %job.peer, "KV load failed: {reason}");
+        let outcome = match job.kind {
+            LoadKind::Release => LoadOutcome::Released(Err(reason)),
+            _ => LoadOutcome::Failed(reason),
+        };
+        self.report(job.request_id, outcome);
+    }
+
+    fn start(&mut self, job: Box<LoadJob>) {
+        if let LoadKind::Reject(reason) = &job.kind {
+            let reason = reason.clone();
+            self.fail(&job, reason);
+            return;
+        }
+        if job.cancel.load(Ordering::Acquire) {
+            if let Some(name) = self.peers.get(&job.peer) {
+                let _ = self.release(&job, name);
+            }
+            self.report(job.request_id, LoadOutcome::Cancelled);
+            return;
+        }
+        if let Some(name) = self.peers.get(&job.peer).cloned() {
+            self.post(job, name);
+            return;
+        }
+        if let Some(waiting) = self.handshaking.get_mut(&job.peer) {
+            waiting.push(job);
+            return;
+        }
+        let addr = job.peer.clone();
+        let url = addr.handshake_url();
+        let client = match self.client() {
+            Ok(c) => c,
+            Err(reason) => {
+                self.fail(&job, reason);
+                return;
+            }
+        };
+        let tx = self.tx.clone();
+        let spawned = std::thread::Builder::new()
+            .name("tandem-kv-handshake".into())
+            .spawn({
+                let addr = addr.clone();
+                move || {
+                    let hs = fetch_handshake(&client, &url);
+                    let _ = tx.send(Msg::Handshake(addr, hs));
+                }
+            });
+        match spawned {
+            Ok(_) => {
+                self.handshaking.insert(addr, vec![job]);
+            }
+            Err(e) => self.fail(&job, format!("cannot start a handshake thread: {e}")),
+        }
+    }
+
+    fn client(&mut self) -> Result<reqwest::blocking::Client, String> {
+        if let Some(c) = &self.client {
+            return Ok(c.clone());
+        }
+        let c = reqwest::blocking::Client::builder()
+            .timeout(self.config.handshake_timeout)
+            .connect_timeout(self.config.handshake_timeout)
+            .redirect(reqwest::redirect::Policy::none())
+            .no_proxy()
+            .build()
+            .map_err(|e| format!("cannot create the handshake HTTP client: {e}"))?;
+        self.client = Some(c.clone());
+        Ok(c)
+    }
+
+    fn handshake_done(&mut self, addr: PeerAddr, hs: Result<NixlHandshake, String>) {
+        let jobs = self.handshaking.remove(&addr).unwrap_or_default();
+        let accepted = hs.and_then(|hs| {
+            if hs.engine_id != addr.engine_id {
+                return Err(format!(
+                    "engine id mismatch: the params name engine {:?}, but {}:{} is engine {:?}",
+                    addr.engine_id, addr.host, addr.port, hs.engine_id
+                ));
+            }
+            self.agent
+                .add_peer(&hs)
+                .map_err(|e| format!("handshake with {addr} refused: {e}"))
+        });
+        match accepted {
+            Ok(name) => {
+                tracing::info!(producer = %addr, peer = %name, "KV producer handshake accepted");
+                self.peers.insert(addr, name.clone());
+                for job in jobs {
+                    if job.cancel.load(Ordering::Acquire) {
+                        let _ = self.release(&job, &name);
+                        self.report(job.request_id, LoadOutcome::Cancelled);
+                    } else {
+                        self.post(job, name.clone());
+                    }
+                }
+            }
+            Err(reason) => {
+                for job in jobs {
+                    if job.cancel.load(Ordering::Acquire) {
+                        self.report(job.request_id, LoadOutcome::Cancelled);
+                    } else {
+                        self.fail(&job, reason.clone());
+                    }
+                }
+            }
+        }
+    }
+
+    /// Forgets a peer after a failure; the next load from its address shakes hands again.
+    fn forget(&mut self, addr: &PeerAddr, name: &str) {
+        self.peers.retain(|_, n| n != name);
+        if self.agent.remove_peer(name) {
+            tracing::info!(producer = %addr, peer = %name, "KV producer forgotten after a failure");
+        }
+    }
+
+    /// Tells the producer it may free the job's blocks (best effort).
+    fn release(&self, job: &LoadJob, name: &str) -> Result<(), String> {
+        let msg = PullNotif::Done(&job.remote_request_id).encode();
+        self.agent.send_notif(name, &msg).map_err(|e| {
+            tracing::debug!(producer = %job.peer, error = %e, "release notification failed");
+            e.to_string()
+        })
+    }
+
+    fn post(&mut self, job: Box<LoadJob>, name: String) {
+        if job.kind == LoadKind::Release {
+            let r = self.release(&job, &name);
+            self.report(job.request_id, LoadOutcome::Released(r));
+            return;
+        }
+        let renew = PullNotif::Renew(&job.remote_request_id).encode();
+        if let Err(e) = self.agent.send_notif(&name, &renew) {
+            self.forget(&job.peer, &name);
+            self.fail(&job, format!("producer {} unreachable: {e}", job.peer));
+            return;
+        }
+        let done = PullNotif::Done(&job.remote_request_id).encode();
+        match self
+            .agent
+            .read_blocks(&name, &job.local, &job.remote, Some(done))
+        {
+            Ok(handle) => {
+                let now = Instant::now();
+                self.in_flight.push(InFlight {
+                    job,
+                    peer_name: name,
+                    handle,
+                    posted: now,
+                    last_renew: now,
+                    polls: 0,
+                });
+            }
+            Err(e) => {
+                let peer_gone = matches!(
+                    e,
+                    KvConnectorError::TransferFailed { .. } | KvConnectorError::UnknownPeer(_)
+                );
+                if peer_gone {
+                    self.forget(&job.peer, &name);
+                } else {
+                    // Bad block ids and the like: the producer may still free.
+                    let _ = self.release(&job, &name);
+                }
+                self.fail(&job, format!("READ from producer {} failed: {e}", job.peer));
+            }
+        }
+    }
+
+    fn poll_in_flight(&mut self) {
+        let mut i = 0;
+        while i < self.in_flight.len() {
+            let f = &mut self.in_flight[i];
+            f.polls = f.polls.saturating_add(1);
+            enum Next {
+                Keep,
+                Done(TransferStats),
+                Failed(String, bool),
+                Cancelled,
+            }
+            let next = if f.job.cancel.load(Ordering::Acquire) {
+                Next::Cancelled
+            } else {
+                match f.handle.poll() {
+                    TransferStatus::Done(stats) => Next::Done(stats),
+                    TransferStatus::Failed(e) => Next::Failed(
+                        format!("READ from producer {} failed: {e}", f.job.peer),
+                        true,
+                    ),
+                    TransferStatus::Pending if f.posted.elapsed() >= self.config.load_timeout => {
+                        Next::Failed(
+                            format!(
+                                "READ from producer {} did not complete within {:?}",
+                                f.job.peer, self.config.load_timeout
+                            ),
+                            true,
+                        )
+                    }
+                    TransferStatus::Pending => {
+                        if f.last_renew.elapsed() >= self.config.kv_lease_duration / 2 {
+                            f.last_renew = Instant::now();
+                            let renew = PullNotif::Renew(&f.job.remote_request_id).encode();
+                            if let Err(e) = self.agent.send_notif(&f.peer_name, &renew) {
+                                tracing::debug!(producer = %f.job.peer, error = %e,
+                                    "lease renewal failed");
+                            }
+                        }
+                        Next::Keep
+                    }
+                }
+            };
+            if matches!(next, Next::Keep) {
+                i += 1;
+                continue;
+            }
+            let f = self.in_flight.swap_remove(i);
+            // The transfer is cancelled (if still in flight) before anything is reported.
+            drop(f.handle);
+            match next {
+                Next::Keep => unreachable!(),
+                Next::Done(stats) => {
+                    tracing::debug!(
+                        request = f.job.request_id,
+                        bytes = stats.bytes,
+                        seconds = stats.seconds(),
+                        "KV load done"
+                    );
+                    self.report(f.job.request_id, LoadOutcome::Loaded(stats));
+                }
+                Next::Failed(reason, forget) => {
+                    let _ = self.release(&f.job, &f.peer_name);
+                    if forget {
+                        self.forget(&f.job.peer, &f.peer_name);
+                    }
+                    self.fail(&f.job, reason);
+                }
+                Next::Cancelled => {
+                    let _ = self.release(&f.job, &f.peer_name);
+                    self.report(f.job.request_id, LoadOutcome::Cancelled);
+                }
+            }
+        }
+    }
+}
+
+/// `GET url` → a validated [`NixlHandshake`], or why not.
+fn fetch_handshake(client: &reqwest::blocking::Client, url: &str) -> Result<NixlHandshake, String> {
+    let resp = client
+        .get(url)
+        .send()
+        .map_err(|e| format!("handshake {url} unreachable: {}", error_chain(&e)))?;
+    let status = resp.status();
+    if !status.is_success() {
+        return Err(format!("handshake {url} refused: HTTP {status}"));
+    }
+    let mut body = String::new();
+    resp.take(MAX_HANDSHAKE_BYTES)
+        .read_to_string(&mut body)
+        .map_err(|e| format!("handshake {url}: reading the body failed: {e}"))?;
+    NixlHandshake::from_json(&body).map_err(|e| format!("handshake {url}: {e}"))
+}
+
+/// An error and its sources on one line (reqwest's own message hides the cause).
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}

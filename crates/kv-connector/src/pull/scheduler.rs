@@ -1,0 +1,516 @@
+//! [`NixlPullScheduler`]: the scheduler side of the NIXL pull connector.
+//!
+//! - Producer requests (`do_remote_decode`): no external tokens. When one finishes normally its
+//!   blocks are held (`delay_free`) under a lease of `kv_lease_duration`, handed to the workers,
+//!   and the response carries the consumer's `kv_transfer_params` (`RemotePrefill::to_value`).
+//!   An aborted one frees at once and answers nothing.
+//! - Consumer requests (`do_remote_prefill`): every prompt token past the local prefix hit is
+//!   external and loads asynchronously. After allocation the local blocks
+//!   `table[local/bs .. cdiv(prompt, bs)]` are paired with the same positions of
+//!   `remote_block_ids` and handed to the workers as one READ.
+//! - Roles are lenient like vLLM's: a `do_remote_decode` request on a consumer-only instance, or
+//!   a `do_remote_prefill` one on a producer-only instance, is served locally (a warning is
+//!   logged; malformed params are rejected whatever the role).
+//!
+//! Invariants:
+//! - A request is in `loading` from its READ's hand-off until the workers report it in
+//!   `finished_recving`. If it ends meanwhile (abort, client gone), `request_finished` returns
+//!   `delay_free`, the workers cancel the READ and report the request in `finished_sending` when
+//!   nothing writes into its blocks any more: blocks are never freed under an in-flight READ.
+//! - A request is in `leases` from its normal finish until the workers report it in
+//!   `finished_sending` (done notification or expiry); the engine frees its blocks then.
+//! - A consumer request that ends before its load was handed off (aborted while queued) hands
+//!   the workers a release, so the producer frees without waiting for its lease to expire.
+//! - [`NixlPullScheduler::is_idle`] holds once every request has finished and been reported.
+
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use tandem_kv_cache::BlockId;
+
+use super::protocol::{LeaseSpec, LoadKind, LoadSpec, PeerAddr, PullMetadata};
+use crate::base::{
+    ConnectorMetadata, ConnectorOutput, ConnectorRequest, FinishKind, FinishedAction,
+    KvConnectorScheduler, MatchedTokens,
+};
+use crate::config::KvRole;
+use crate::error::KvConnectorError;
+use crate::params::{RemotePrefill, TransferRequest, SUPPORTED_TP_SIZE};
+
+/// What the scheduler side needs to know about its instance.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PullSchedulerConfig {
+    pub role: KvRole,
+    pub engine_id: String,
+    pub block_size: usize,
+    /// Advertised as `remote_host`.
+    pub side_channel_host: String,
+    /// This instance's HTTP port, advertised as `remote_port`.
+    pub http_port: u16,
+    pub kv_lease_duration: Duration,
+}
+
+/// Request counts the scheduler side still tracks (all zero when idle).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PullSchedulerStats {
+    /// Consumer READs handed to workers and not yet reported.
+    pub loading: usize,
+    /// Ended requests whose cancelled READ is not yet reported.
+    pub cancelled: usize,
+    /// Producer requests holding blocks for a consumer.
+    pub leases: usize,
+    /// Consumer requests with a load (finished or not) that have not ended yet.
+    pub consumers: usize,
+}
+
+/// The scheduler side of the pull connector. See the module docs.
+#[derive(Debug)]
+pub struct NixlPullScheduler {
+    config: PullSchedulerConfig,
+    /// Consumer requests whose READ is with the workers.
+    loading: HashSet<u64>,
+    /// Requests that ended while `loading`: blocks held until `finished_sending`.
+    cancelled: HashSet<u64>,
+    /// Producer requests under lease: engine id → remote request id.
+    leases: HashMap<u64, String>,
+    /// Consumer requests whose load was recorded (so their end needs no release).
+    consumers: HashSet<u64>,
+    pending: PullMetadata,
+}
+
+impl NixlPullScheduler {
+    pub fn new(config: PullSchedulerConfig) -> Result<Self, KvConnectorError> {
+        if config.block_size == 0 {
+            return Err(KvConnectorError::InvalidConfig("block size 0".into()));
+        }
+        if config.http_port == 0 {
+            return Err(KvConnectorError::InvalidConfig(
+                "the advertised HTTP port is 0; pass the port the server is bound to".into(),
+            ));
+        }
+        Ok(NixlPullScheduler {
+            config,
+            loading: HashSet::new(),
+            cancelled: HashSet::new(),
+            leases: HashMap::new(),
+            consumers: HashSet::new(),
+            pending: PullMetadata::default(),
+        })
+    }
+
+    pub fn config(&self) -> &PullSchedulerConfig {
+        &self.config
+    }
+
+    pub fn stats(&self) -> PullSchedulerStats {
+        PullSchedulerStats {
+            loading: self.loading.len(),
+            cancelled: self.cancelled.len(),
+            leases: self.leases.len(),
+            consumers: self.consumers.len(),
+        }
+    }
+
+    /// Nothing tracked and nothing waiting to be handed to workers.
+    pub fn is_idle(&self) -> bool {
+        self.stats() == PullSchedulerStats::default() && self.pending.is_empty()
+    }
+
+    fn parse(&self, request: &ConnectorRequest<'_>) -> Result<TransferRequest, KvConnectorError> {
+        TransferRequest::parse(
+            request.kv_transfer_params,
+            request.prompt_token_ids.len(),
+            self.config.block_size,
+        )
+    }
+
+    fn peer(remote: &RemotePrefill) -> PeerAddr {
+        PeerAddr {
+            host: remote.remote_host.clone(),
+            port: remote.remote_port,
+            engine_id: remote.remote_engine_id.clone(),
+        }
+    }
+
+    fn spec(request_id: u64, remote: &RemotePrefill, kind: LoadKind) -> LoadSpec {
+        LoadSpec {
+            request_id,
+            kind,
+            peer: Self::peer(remote),
+            remote_request_id: remote.remote_request_id.clone(),
+            local_block_ids: Vec::new(),
+            remote_block_ids: Vec::new(),
+        }
+    }
+
+    /// A new, unguessable id for a producer request's lease.
+    fn new_remote_request_id(request_id: u64) -> String {
+        format!("{request_id}-{}", uuid::Uuid::new_v4().simple())
+    }
+}
+
+impl KvConnectorScheduler for NixlPullScheduler {
+    fn get_num_new_matched_tokens(
+        &mut self,
+        request: &ConnectorRequest<'_>,
+        num_computed_tokens: usize,
+    ) -> Result<MatchedTokens, KvConnectorError> {
+        let remote = match self.parse(request)? {
+            TransferRequest::Consumer(remote) => remote,
+            TransferRequest::Producer if !self.config.role.is_producer() => {
+                tracing::warn!(request = %request.external_id, role = self.config.role.as_str(),
+                    "do_remote_decode on an instance that is not a producer; serving it locally");
+                return Ok(MatchedTokens::default());
+            }
+            TransferRequest::Local | TransferRequest::Producer => {
+                return Ok(MatchedTokens::default())
+            }
+        };
+        if !self.config.role.is_consumer() {
+            tracing::warn!(request = %request.external_id, role = self.config.role.as_str(),
+                "do_remote_prefill on an instance that is not a consumer; prefilling locally");
+            return Ok(MatchedTokens::default());
+        }
+        debug_assert_eq!(remote.tp_size, SUPPORTED_TP_SIZE);
+        if num_computed_tokens % self.config.block_size != 0 {
+            // Loading into a partly computed (possibly shared) block is never done.
+            tracing::warn!(request = %request.external_id, num_computed_tokens,
+                "local prefix hit is not block-aligned; prefilling locally");
+            return Ok(MatchedTokens::default());
+        }
+        let n = request
+            .prompt_token_ids
+            .len()
+            .saturating_sub(num_computed_tokens);
+        Ok(MatchedTokens {
+            num_external_tokens: n,
+            load_async: n > 0,
+        })
+    }
+
+    fn update_state_after_alloc(
+        &mut self,
+        request: &ConnectorRequest<'_>,
+        block_ids: &[BlockId],
+        num_external_tokens: usize,
+    ) {
+        if !self.config.role.is_consumer() {
+            return;
+        }
+        let Ok(TransferRequest::Consumer(remote)) = self.parse(request) else {
+            return;
+        };
+        let id = request.request_id;
+        self.consumers.insert(id);
+        if num_external_tokens == 0 {
+            // Served locally after all: the producer may free now.
+            self.pending
+                .loads
+                .push(Self::spec(id, &remote, LoadKind::Release));
+            return;
+        }
+        let bs = self.config.block_size;
+        let prompt_len = request.prompt_token_ids.len();
+        let local_computed = prompt_len.saturating_sub(num_external_tokens);
+        let first = local_computed / bs;
+        let end = prompt_len.div_ceil(bs);
+        self.loading.insert(id);
+        let mut spec = Self::spec(id, &remote, LoadKind::Read);
+        if local_computed % bs != 0 || block_ids.len() < end || remote.remote_block_ids.len() != end
+        {
+            let reason = format!(
+                "cannot place the load: {num_external_tokens} external of {prompt_len} prompt \
+                 tokens, {} local blocks, {} remote blocks, block size {bs}",
+                block_ids.len(),
+                remote.remote_block_ids.len()
+            );
+            tracing::error!(request = %request.external_id, "{reason}");
+            spec.kind = LoadKind::Reject(reason);
+        } else {
+            spec.local_block_ids = block_ids[first..end].to_vec();
+            spec.remote_block_ids = remote.remote_block_ids[first..end].to_vec();
+        }
+        self.pending.loads.push(spec);
+    }
+
+    fn build_connector_meta(&mut self) -> ConnectorMetadata {
+        if self.pending.is_empty() {
+            return ConnectorMetadata(None);
+        }
+        ConnectorMetadata(Some(Box::new(std::mem::take(&mut self.pending))))
+    }
+
+    fn update_connector_output(&mut self, output: &ConnectorOutput) {
+        for id in &output.finished_recving {
+            self.loading.remove(id);
+        }
+        for id in &output.finished_sending {
+            self.leases.remove(id);
+            self.cancelled.remove(id);
+        }
+    }
+
+    fn request_finished(
+        &mut self,
+        request: &ConnectorRequest<'_>,
+        block_ids: &[BlockId],
+        finish: FinishKind,
+    ) -> FinishedAction {
+        let id = request.request_id;
+        if self.loading.remove(&id) {
+            // Its READ may still write into these blocks: hold them until the workers say so.
+            self.consumers.remove(&id);
+            self.cancelled.insert(id);
+            self.pending.cancelled_loads.push(id);
+            return FinishedAction {
+                delay_free: true,
+                kv_transfer_params: None,
+            };
+        }
+        if self.consumers.remove(&id) {
+            return FinishedAction::default();
+        }
+        // Params were validated at admission; a request rejected there ends here quietly.
+        let Ok(kind) = self.parse(request) else {
+            return FinishedAction::default();
+        };
+        match kind {
+            TransferRequest::Consumer(remote) if self.config.role.is_consumer() => {
+                // Ended before its load began: let the producer free now.
+                self.pending
+                    .loads
+                    .push(Self::spec(id, &remote, LoadKind::Release));
+                FinishedAction::default()
+            }
+            TransferRequest::Producer
+                if self.config.role.is_producer() && finish == FinishKind::Normal =>
+            {
+                let bs = self.config.block_size;
+                let n = request.prompt_token_ids.len().div_ceil(bs);
+                if block_ids.len() < n {
+                    tracing::error!(request = %request.external_id, blocks = block_ids.len(),
+                        needed = n, "producer request finished without its prompt's blocks");
+                    return FinishedAction::default();
+                }
+                let remote_request_id = Self::new_remote_request_id(id);
+                let params = RemotePrefill {
+                    remote_engine_id: self.config.engine_id.clone(),
+                    remote_request_id: remote_request_id.clone(),
+                    remote_block_ids: block_ids[..n].to_vec(),
+                    remote_host: self.config.side_channel_host.clone(),
+                    remote_port: self.config.http_port,
+                    tp_size: SUPPORTED_TP_SIZE,
+                };
+                self.leases.insert(id, remote_request_id.clone());
+                self.pending.leases.push(LeaseSpec {
+                    request_id: id,
+                    remote_request_id,
+                    deadline: Instant::now() + self.config.kv_lease_duration,
+                });
+                FinishedAction {
+                    delay_free: true,
+                    kv_transfer_params: Some(params.to_value()),
+                }
+            }
+            _ => FinishedAction::default(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::{json, Value};
+
+    fn sched(role: KvRole) -> NixlPullScheduler {
+        NixlPullScheduler::new(PullSchedulerConfig {
+            role,
+            engine_id: "p0".into(),
+            block_size: 4,
+            side_channel_host: "10.0.0.1".into(),
+            http_port: 8100,
+            kv_lease_duration: Duration::from_secs(30),
+        })
+        .unwrap()
+    }
+
+    fn req<'a>(id: u64, prompt: &'a [u32], params: Option<&'a Value>) -> ConnectorRequest<'a> {
+        ConnectorRequest {
+            request_id: id,
+            external_id: "ext",
+            prompt_token_ids: prompt,
+            kv_transfer_params: params,
+        }
+    }
+
+    fn meta(s: &mut NixlPullScheduler) -> PullMetadata {
+        match s.build_connector_meta().0 {
+            None => PullMetadata::default(),
+            Some(b) => *b.downcast::<PullMetadata>().unwrap(),
+        }
+    }
+
+    #[test]
+    fn producer_requests_lease_their_prompt_blocks_and_answer_params() {
+        let mut s = sched(KvRole::Producer);
+        let prompt = [1u32; 9];
+        let p = json!({"do_remote_decode": true});
+        let r = req(3, &prompt, Some(&p));
+        assert_eq!(
+            s.get_num_new_matched_tokens(&r, 0).unwrap(),
+            MatchedTokens::default()
+        );
+        s.update_state_after_alloc(&r, &[7, 8, 9], 0);
+        assert!(meta(&mut s).is_empty());
+        let before = Instant::now();
+        let a = s.request_finished(&r, &[7, 8, 9, 10], FinishKind::Normal);
+        assert!(a.delay_free);
+        let v = a.kv_transfer_params.unwrap();
+        let TransferRequest::Consumer(back) = TransferRequest::parse(Some(&v), 9, 4).unwrap()
+        else {
+            panic!("{v}")
+        };
+        assert_eq!(back.remote_block_ids, vec![7, 8, 9]);
+        assert_eq!(
+            (
+                back.remote_host.as_str(),
+                back.remote_port,
+                back.remote_engine_id.as_str()
+            ),
+            ("10.0.0.1", 8100, "p0")
+        );
+        assert!(back.remote_request_id.starts_with("3-"));
+        let m = meta(&mut s);
+        assert_eq!(m.leases.len(), 1);
+        assert_eq!(m.leases[0].remote_request_id, back.remote_request_id);
+        assert!(m.leases[0].deadline >= before + Duration::from_secs(30));
+        assert!(!s.is_idle());
+        let mut out = ConnectorOutput::default();
+        out.finished_sending.insert(3);
+        s.update_connector_output(&out);
+        assert!(s.is_idle());
+        // Aborted: no lease, no params; remote request ids are never reused.
+        let a = s.request_finished(&req(4, &prompt, Some(&p)), &[1, 2, 3], FinishKind::Aborted);
+        assert_eq!(a, FinishedAction::default());
+        assert!(s.is_idle());
+    }
+
+    #[test]
+    fn consumer_loads_the_rest_of_the_prompt_after_a_local_hit() {
+        let mut s = sched(KvRole::Consumer);
+        let prompt = [1u32; 10];
+        let p = json!({"do_remote_prefill": true, "remote_engine_id": "p0",
+            "remote_request_id": "r", "remote_block_ids": [20, 21, 22],
+            "remote_host": "h", "remote_port": 1, "tp_size": 1});
+        let r = req(5, &prompt, Some(&p));
+        let m = s.get_num_new_matched_tokens(&r, 4).unwrap();
+        assert_eq!(
+            m,
+            MatchedTokens {
+                num_external_tokens: 6,
+                load_async: true
+            }
+        );
+        s.update_state_after_alloc(&r, &[30, 31, 32], 6);
+        let m = meta(&mut s);
+        assert_eq!(m.loads.len(), 1);
+        let l = &m.loads[0];
+        assert_eq!(l.kind, LoadKind::Read);
+        assert_eq!(l.local_block_ids, vec![31, 32]);
+        assert_eq!(l.remote_block_ids, vec![21, 22]);
+        assert_eq!(l.peer.engine_id, "p0");
+        // Misaligned local hits are never loaded into.
+        assert_eq!(
+            s.get_num_new_matched_tokens(&r, 3).unwrap(),
+            MatchedTokens::default()
+        );
+        // Finished loading, then the request ends normally: nothing to release.
+        let mut out = ConnectorOutput::default();
+        out.finished_recving.insert(5);
+        s.update_connector_output(&out);
+        assert_eq!(
+            s.request_finished(&r, &[30, 31, 32], FinishKind::Normal),
+            FinishedAction::default()
+        );
+        assert!(meta(&mut s).is_empty());
+        assert!(s.is_idle());
+    }
+
+    #[test]
+    fn a_consumer_request_ending_mid_load_holds_its_blocks_until_the_workers_release_them() {
+        let mut s = sched(KvRole::Both);
+        let prompt = [1u32; 4];
+        let p = json!({"do_remote_prefill": true, "remote_engine_id": "p0",
+            "remote_request_id": "r", "remote_block_ids": [20],
+            "remote_host": "h", "remote_port": 1, "tp_size": 1});
+        let r = req(6, &prompt, Some(&p));
+        s.get_num_new_matched_tokens(&r, 0).unwrap();
+        s.update_state_after_alloc(&r, &[1], 4);
+        meta(&mut s);
+        let a = s.request_finished(&r, &[1], FinishKind::Aborted);
+        assert!(a.delay_free && a.kv_transfer_params.is_none());
+        assert_eq!(meta(&mut s).cancelled_loads, vec![6]);
+        let mut out = ConnectorOutput::default();
+        out.finished_sending.insert(6);
+        s.update_connector_output(&out);
+        assert!(s.is_idle());
+
+        // Aborted before allocation: a release goes to the workers.
+        let r = req(7, &prompt, Some(&p));
+        s.get_num_new_matched_tokens(&r, 0).unwrap();
+        assert_eq!(
+            s.request_finished(&r, &[], FinishKind::Aborted),
+            FinishedAction::default()
+        );
+        let m = meta(&mut s);
+        assert_eq!(m.loads.len(), 1);
+        assert_eq!(m.loads[0].kind, LoadKind::Release);
+        assert_eq!(m.loads[0].remote_request_id, "r");
+        assert!(s.is_idle());
+    }
+
+    #[test]
+    fn roles_serve_the_other_kind_locally_but_reject_malformed_params() {
+        let prompt = [1u32; 4];
+        let consumer_params = json!({"do_remote_prefill": true, "remote_engine_id": "p0",
+            "remote_request_id": "r", "remote_block_ids": [20],
+            "remote_host": "h", "remote_port": 1, "tp_size": 1});
+        let mut s = sched(KvRole::Producer);
+        let r = req(1, &prompt, Some(&consumer_params));
+        assert_eq!(
+            s.get_num_new_matched_tokens(&r, 0).unwrap(),
+            MatchedTokens::default()
+        );
+        s.update_state_after_alloc(&r, &[1], 0);
+        assert_eq!(
+            s.request_finished(&r, &[1], FinishKind::Normal),
+            FinishedAction::default()
+        );
+        assert!(meta(&mut s).is_empty() && s.is_idle());
+
+        let mut s = sched(KvRole::Consumer);
+        let p = json!({"do_remote_decode": true});
+        let r = req(2, &prompt, Some(&p));
+        assert_eq!(
+            s.get_num_new_matched_tokens(&r, 0).unwrap(),
+            MatchedTokens::default()
+        );
+        assert_eq!(
+            s.request_finished(&r, &[1], FinishKind::Normal),
+            FinishedAction::default()
+        );
+        assert!(meta(&mut s).is_empty() && s.is_idle());
+
+        let bad = json!({"do_remote_prefill": true, "remote_engine_id": "p0"});
+        let r = req(3, &prompt, Some(&bad));
+        assert!(matches!(
+            s.get_num_new_matched_tokens(&r, 0),
+            Err(KvConnectorError::InvalidTransferParams(_))
+        ));
+        assert_eq!(
+            s.request_finished(&r, &[], FinishKind::Aborted),
+            FinishedAction::default()
+        );
+        assert!(s.is_idle());
+    }
+}

@@ -233,6 +233,8 @@ fn run_loop(
             }
         }
         if !scheduler.has_work() && !scheduler.has_pending_transfers() {
+            // Aborts may have freed blocks since the last step: publish before idling.
+            scheduler.publish_gauges();
             *stats.lock() = scheduler.stats();
             match rx.recv() {
                 Ok(cmd) => {

@@ -613,7 +613,8 @@ impl Scheduler {
         let _ = req.sink.send(event);
     }
 
-    fn publish_gauges(&mut self) {
+    /// Publishes the request and cache gauges (called after every step and before idling).
+    pub fn publish_gauges(&mut self) {
         metrics::gauge!(m::NUM_REQUESTS_RUNNING).set(self.running.len() as f64);
         metrics::gauge!(m::NUM_REQUESTS_WAITING).set(self.waiting.len() as f64);
         metrics::gauge!(m::NUM_REQUESTS_WAITING_FOR_REMOTE_KV)

@@ -9,7 +9,9 @@ use tandem_engine::detokenizer::Detokenize;
 use tandem_engine::model_worker::ModelWorker;
 use tandem_engine::{EngineHandle, KvLoadFailurePolicy, Scheduler, SchedulerConfig};
 use tandem_kv_cache::{CacheDtype, KvCacheConfig, KvCacheManager, KvStorage};
-use tandem_kv_connector::base::NoopConnector;
+use tandem_kv_connector::base::{KvConnectorScheduler, KvConnectorWorker, NoopConnector};
+use tandem_kv_connector::config::{KvTransferConfig, LoadFailurePolicy};
+use tandem_kv_connector::pull::{nixl_pull_connector, HandshakeProvider};
 use tandem_models::{load_model, LoadOptions, TextTokenizer, WeightMode};
 
 use crate::config::{parse_bytes, ServeArgs};
@@ -79,9 +81,7 @@ pub fn build_instance(
     args: &ServeArgs,
     prometheus: Option<PrometheusHandle>,
 ) -> anyhow::Result<Instance> {
-    if args.kv_transfer_config.is_some() {
-        bail!("--kv-transfer-config: P/D disaggregation (NixlConnector) is not available in this build yet");
-    }
+    let transfer = parse_transfer_config(args)?;
     let cache_dtype = CacheDtype::parse(&args.kv_cache_dtype).with_context(|| {
         format!(
             "--kv-cache-dtype `{}`: expected f32, f16 or bf16",
@@ -153,13 +153,34 @@ pub fn build_instance(
     );
     let tokenizer = Arc::new(loaded.tokenizer);
     let tok = Arc::new(Tokenizer(tokenizer.clone()));
+    let mut names = args.served_model_name.clone();
+    if names.is_empty() {
+        names.push(args.model.clone());
+    }
+    let (connector_sched, connector_worker, handshake): (
+        Box<dyn KvConnectorScheduler>,
+        Box<dyn KvConnectorWorker>,
+        Option<HandshakeProvider>,
+    ) = match &transfer {
+        None => (Box::new(NoopConnector), Box::new(NoopConnector), None),
+        Some(cfg) => {
+            let (s, w, h) = nixl_pull_connector(cfg, &names[0], args.block_size, args.port)
+                .context("--kv-transfer-config")?
+                .into_parts();
+            (s, w, Some(h))
+        }
+    };
+    let policy = match transfer.as_ref().map(|t| t.kv_load_failure_policy) {
+        Some(LoadFailurePolicy::Fail) => KvLoadFailurePolicy::Fail,
+        _ => KvLoadFailurePolicy::Recompute,
+    };
     let sched_config = SchedulerConfig {
         max_num_batched_tokens: args.max_num_batched_tokens.max(1),
         max_num_seqs: args.max_num_seqs.max(1),
         max_model_len,
         enable_chunked_prefill: args.enable_chunked_prefill,
         long_prefill_token_threshold: args.long_prefill_token_threshold,
-        kv_load_failure_policy: KvLoadFailurePolicy::Recompute,
+        kv_load_failure_policy: policy,
     };
     if !args.enable_chunked_prefill && args.max_num_batched_tokens < max_model_len {
         bail!(
@@ -170,16 +191,12 @@ pub fn build_instance(
     let scheduler = Scheduler::new(
         sched_config,
         KvCacheManager::new(num_blocks, args.block_size, args.enable_prefix_caching),
-        Box::new(NoopConnector),
+        connector_sched,
         tok.clone(),
         tokenizer.stop_token_ids().to_vec(),
     );
-    let worker = ModelWorker::new(model, storage, args.block_size, Box::new(NoopConnector))?;
+    let worker = ModelWorker::new(model, storage, args.block_size, connector_worker)?;
     let engine = EngineHandle::spawn(scheduler, Box::new(worker), info.vocab_size)?;
-    let mut names = args.served_model_name.clone();
-    if names.is_empty() {
-        names.push(args.model.clone());
-    }
     let state = AppState {
         engine: engine.clone(),
         tokenizer: tok,
@@ -187,8 +204,33 @@ pub fn build_instance(
         max_model_len,
         prometheus,
         max_body_bytes: args.max_request_body_bytes,
+        kv_handshake: handshake,
     };
     Ok(Instance { state, engine })
+}
+
+/// Parses `--kv-transfer-config`; only the NIXL connector exists.
+pub fn parse_transfer_config(args: &ServeArgs) -> anyhow::Result<Option<KvTransferConfig>> {
+    match &args.kv_transfer_config {
+        None => Ok(None),
+        Some(json) if json.trim().is_empty() => Ok(None),
+        Some(json) => {
+            let cfg = KvTransferConfig::parse(json).context("--kv-transfer-config")?;
+            Ok(Some(cfg))
+        }
+    }
+}
+
+/// Work that must happen before any thread exists: loading NIXL (it may set UCX's environment).
+pub fn preload(args: &ServeArgs) -> anyhow::Result<()> {
+    if let Some(cfg) = parse_transfer_config(args)? {
+        let lib = tandem_kv_connector::nixl::load_nixl(
+            cfg.kv_connector_extra_config.nixl_lib_dir.as_deref(),
+        )
+        .context("--kv-transfer-config needs NIXL")?;
+        eprintln!("NIXL library: {}", lib.path.display());
+    }
+    Ok(())
 }
 
 /// `tandem serve`: runs until ctrl-c or SIGTERM.

@@ -106,6 +106,7 @@ fn main() -> anyhow::Result<()> {
         }
         Command::Serve { args, .. } => {
             init_tracing();
+            tandem_server::launch::preload(&args)?;
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .build()

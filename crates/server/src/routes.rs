@@ -32,6 +32,7 @@ pub fn app(state: AppState) -> Router {
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
+        .route(tandem_kv_connector::pull::HANDSHAKE_PATH, get(kv_handshake))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(limit))
         .with_state(state)
@@ -73,6 +74,25 @@ async fn metrics(State(state): State<AppState>) -> Response {
         )
             .into_response(),
         None => (StatusCode::NOT_FOUND, "metrics are not enabled").into_response(),
+    }
+}
+
+/// The NIXL handshake of a P/D instance: what a consumer needs to read this instance's blocks.
+async fn kv_handshake(State(state): State<AppState>) -> Response {
+    let unavailable = |msg: &str| {
+        let body = json!({"error": {"message": msg, "type": "ServiceUnavailableError", "param": null, "code": 503}});
+        (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response()
+    };
+    match &state.kv_handshake {
+        None => not_found().await,
+        Some(h) => match h.json() {
+            Some(j) => (
+                [(axum::http::header::CONTENT_TYPE, "application/json")],
+                j.to_string(),
+            )
+                .into_response(),
+            None => unavailable("the KV transfer agent is not ready"),
+        },
     }
 }
 

@@ -31,6 +31,8 @@ pub struct AppState {
     pub max_model_len: usize,
     pub prometheus: Option<PrometheusHandle>,
     pub max_body_bytes: usize,
+    /// This instance's NIXL handshake (P/D instances only), served at `/v1/kv/handshake`.
+    pub kv_handshake: Option<tandem_kv_connector::pull::HandshakeProvider>,
 }
 
 impl AppState {

@@ -114,6 +114,23 @@ impl ConnectorOutput {
     }
 }
 
+/// The `kv_transfer_params` key that carries a producer's KV checksums (base64 of the payload
+/// `tandem_kv_checksum::Payload::encode` writes) to the consumer.
+pub const KV_CHECKSUMS_PARAM: &str = "kv_checksums";
+
+/// How a connector carries a request's KV checksums from the producer to the consumer.
+///
+/// The engine computes, sends and verifies the checksums itself; a connector only declares the
+/// carrier. With [`KvChecksumCarrier::KvTransferParams`] the engine adds
+/// [`KV_CHECKSUMS_PARAM`] to the `kv_transfer_params` that `request_finished` returns on the
+/// producer, and reads it from the request's `kv_transfer_params` on the consumer: a connector
+/// whose producer answer reaches the consumer through the proxy needs no other change.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum KvChecksumCarrier {
+    /// In `kv_transfer_params["kv_checksums"]`.
+    KvTransferParams,
+}
+
 /// The scheduler side of a connector.
 pub trait KvConnectorScheduler: Send {
     /// Tokens beyond `num_computed_tokens` (the local prefix hit) the connector can provide.
@@ -145,6 +162,25 @@ pub trait KvConnectorScheduler: Send {
         block_ids: &[BlockId],
         finish: FinishKind,
     ) -> FinishedAction;
+
+    /// Whether this connector can carry KV checksums for some request at all. Checked once at
+    /// startup: with `enable_kv_checksum`, a connector that carries none refuses to start under
+    /// `kv_checksum_fail_closed` and disables checksums (with a warning) otherwise.
+    fn carries_kv_checksums(&self) -> bool {
+        false
+    }
+
+    /// How the checksums of `request` travel: for a producer request (`receiving == false`),
+    /// those of its prompt's KV; for a load (`receiving == true`), those the load is verified
+    /// against. `None` (the default): not carried, so the request is neither checksummed nor
+    /// verified (e.g. a load of KV whose source sent no checksums).
+    fn kv_checksum_carrier(
+        &self,
+        _request: &ConnectorRequest<'_>,
+        _receiving: bool,
+    ) -> Option<KvChecksumCarrier> {
+        None
+    }
 }
 
 /// The worker side of a connector.

@@ -9,11 +9,14 @@
 //!
 //! Invariants:
 //! - The consumer reads only from peers whose handshake it fetched and accepted itself.
-//! - Every job yields exactly one [`LoadResult`], whatever happens (a cancelled job too), and a
-//!   READ's handle is dropped (the transfer cancelled) before its failure or cancellation is
-//!   reported, so nothing writes into the blocks once the scheduler may reuse them.
-//! - After a failed, timed-out or cancelled READ the producer is told `done` (best effort) so it
-//!   frees before its lease expires; a peer whose transfer failed is forgotten, and the next load
+//! - Every READ job yields exactly one `Loaded`, `Failed` or `Cancelled` [`LoadResult`],
+//!   whatever happens, and a READ's handle is dropped (the transfer cancelled) before its failure
+//!   or cancellation is reported, so nothing writes into the blocks once the scheduler may reuse
+//!   them. A release job (or a READ cancelled before it started, which becomes one) also yields
+//!   `Released` once the producer was told, or could not be.
+//! - After a READ that failed in flight, timed out or was cancelled, the producer is told `done`
+//!   (best effort) so it frees before its lease expires (not after a READ refused before its
+//!   post: block ids the producer does not have mean params that are not its own); a peer whose transfer failed is forgotten, and the next load
 //!   from that address fetches a fresh handshake.
 //! - The thread never blocks on one producer for longer than a poll: handshakes run on their own
 //!   threads, READs are polled together.
@@ -31,8 +34,11 @@ use crate::nixl::{NixlAgent, NixlHandshake, TransferHandle, TransferStats, Trans
 
 /// Largest handshake body accepted (a few KB per layer; anything near this is hostile).
 const MAX_HANDSHAKE_BYTES: u64 = 16 << 20;
-/// How long the idle thread waits for a message before checking again.
-const IDLE_WAIT: Duration = Duration::from_millis(100);
+/// NIXL calls (5 ms apart) on shutdown before the agent may be destroyed.
+const SHUTDOWN_PROGRESS_ROUNDS: u32 = 20;
+/// How long the idle thread waits for a message before checking again (and, without a
+/// progress thread, calling NIXL).
+const IDLE_WAIT: Duration = Duration::from_millis(10);
 
 /// Timeouts of the loader.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,6 +47,10 @@ pub struct LoaderConfig {
     pub handshake_timeout: Duration,
     /// Renew notifications go out every half of this while a READ is in flight.
     pub kv_lease_duration: Duration,
+    /// Call NIXL from the thread while idle too (every [`IDLE_WAIT`]), draining notifications:
+    /// for an agent without progress thread that nobody else drains (a pure consumer), so that
+    /// UCX answers its peers' connection traffic between loads.
+    pub progress_when_idle: bool,
 }
 
 /// One job for the thread.
@@ -53,6 +63,13 @@ pub(crate) struct LoadJob {
     pub local: Vec<usize>,
     pub remote: Vec<usize>,
     pub cancel: Arc<AtomicBool>,
+}
+
+impl LoadJob {
+    /// A READ whose request ended (release jobs are never cancelled).
+    fn cancelled(&self) -> bool {
+        self.kind == LoadKind::Read && self.cancel.load(Ordering::Acquire)
+    }
 }
 
 /// How a job ended.
@@ -73,8 +90,8 @@ pub(crate) struct LoadResult {
 }
 
 enum Msg {
-    Job(Box<LoadJob>),
-    Handshake(PeerAddr, Result<NixlHandshake, String>),
+    Job(LoadJob),
+    Handshake(Box<(PeerAddr, Result<NixlHandshake, String>)>),
     Shutdown,
 }
 
@@ -114,14 +131,9 @@ impl Loader {
         })
     }
 
-    /// Hands a job to the thread; gives it back if the thread is gone.
-    pub fn submit(&self, job: LoadJob) -> Result<(), Box<LoadJob>> {
-        self.tx
-            .send(Msg::Job(Box::new(job)))
-            .map_err(|e| match e.0 {
-                Msg::Job(job) => job,
-                _ => unreachable!("only jobs are sent here"),
-            })
+    /// Hands a job to the thread; false if the thread is gone.
+    pub fn submit(&self, job: LoadJob) -> bool {
+        self.tx.send(Msg::Job(job)).is_ok()
     }
 
     /// Results so far, without blocking.
@@ -140,7 +152,7 @@ impl Drop for Loader {
 }
 
 struct InFlight {
-    job: Box<LoadJob>,
+    job: LoadJob,
     peer_name: String,
     handle: TransferHandle,
     posted: Instant,
@@ -158,7 +170,7 @@ struct LoaderThread {
     /// Accepted producers: address → NIXL peer name.
     peers: HashMap<PeerAddr, String>,
     /// Jobs waiting for a handshake in progress.
-    handshaking: HashMap<PeerAddr, Vec<Box<LoadJob>>>,
+    handshaking: HashMap<PeerAddr, Vec<LoadJob>>,
     in_flight: Vec<InFlight>,
     client: Option<reqwest::blocking::Client>,
 }
@@ -169,7 +181,10 @@ impl LoaderThread {
             let msg = if self.in_flight.is_empty() {
                 match self.rx.recv_timeout(IDLE_WAIT) {
                     Ok(m) => Some(m),
-                    Err(RecvTimeoutError::Timeout) => None,
+                    Err(RecvTimeoutError::Timeout) => {
+                        self.progress();
+                        None
+                    }
                     Err(RecvTimeoutError::Disconnected) => break,
                 }
             } else {
@@ -180,7 +195,10 @@ impl LoaderThread {
             for m in msgs {
                 match m {
                     Msg::Job(job) => self.start(job),
-                    Msg::Handshake(addr, hs) => self.handshake_done(addr, hs),
+                    Msg::Handshake(done) => {
+                        let (addr, hs) = *done;
+                        self.handshake_done(addr, hs)
+                    }
                     Msg::Shutdown => {
                         self.shutdown();
                         return;
@@ -200,6 +218,22 @@ impl LoaderThread {
         self.shutdown();
     }
 
+    /// Lets NIXL progress (see [`LoaderConfig::progress_when_idle`]).
+    fn progress(&self) {
+        if !self.config.progress_when_idle {
+            return;
+        }
+        match self.agent.get_notifs() {
+            Ok(notifs) => {
+                for (sender, bytes) in notifs {
+                    tracing::debug!(%sender, len = bytes.len(),
+                        "notification to a pure consumer ignored");
+                }
+            }
+            Err(e) => tracing::debug!(error = %e, "idle NIXL progress failed"),
+        }
+    }
+
     fn shutdown(&mut self) {
         for f in std::mem::take(&mut self.in_flight) {
             drop(f.handle);
@@ -214,6 +248,15 @@ impl LoaderThread {
                     job.request_id,
                     LoadOutcome::Failed("the connector shut down".into()),
                 );
+            }
+        }
+        // Without a progress thread, UCX purges the operations of a failed endpoint only when
+        // called; destroying the agent with them still queued aborts the process (UCX asserts
+        // in its CMA endpoint's cleanup). Let it finish that work first.
+        if self.config.progress_when_idle {
+            for _ in 0..SHUTDOWN_PROGRESS_ROUNDS {
+                self.progress();
+                std::thread::sleep(Duration::from_millis(5));
             }
         }
     }
@@ -234,18 +277,17 @@ impl LoaderThread {
         self.report(job.request_id, outcome);
     }
 
-    fn start(&mut self, job: Box<LoadJob>) {
+    fn start(&mut self, job: LoadJob) {
         if let LoadKind::Reject(reason) = &job.kind {
             let reason = reason.clone();
             self.fail(&job, reason);
             return;
         }
-        if job.cancel.load(Ordering::Acquire) {
-            if let Some(name) = self.peers.get(&job.peer) {
-                let _ = self.release(&job, name);
-            }
+        let mut job = job;
+        if job.cancelled() {
+            // Nothing was posted: the blocks are free to go now; the producer is still told.
             self.report(job.request_id, LoadOutcome::Cancelled);
-            return;
+            job.kind = LoadKind::Release;
         }
         if let Some(name) = self.peers.get(&job.peer).cloned() {
             self.post(job, name);
@@ -271,7 +313,7 @@ impl LoaderThread {
                 let addr = addr.clone();
                 move || {
                     let hs = fetch_handshake(&client, &url);
-                    let _ = tx.send(Msg::Handshake(addr, hs));
+                    let _ = tx.send(Msg::Handshake(Box::new((addr, hs))));
                 }
             });
         match spawned {
@@ -315,7 +357,7 @@ impl LoaderThread {
                 tracing::info!(producer = %addr, peer = %name, "KV producer handshake accepted");
                 self.peers.insert(addr, name.clone());
                 for job in jobs {
-                    if job.cancel.load(Ordering::Acquire) {
+                    if job.cancelled() {
                         let _ = self.release(&job, &name);
                         self.report(job.request_id, LoadOutcome::Cancelled);
                     } else {
@@ -325,7 +367,7 @@ impl LoaderThread {
             }
             Err(reason) => {
                 for job in jobs {
-                    if job.cancel.load(Ordering::Acquire) {
+                    if job.cancelled() {
                         self.report(job.request_id, LoadOutcome::Cancelled);
                     } else {
                         self.fail(&job, reason.clone());
@@ -352,7 +394,7 @@ impl LoaderThread {
         })
     }
 
-    fn post(&mut self, job: Box<LoadJob>, name: String) {
+    fn post(&mut self, job: LoadJob, name: String) {
         if job.kind == LoadKind::Release {
             let r = self.release(&job, &name);
             self.report(job.request_id, LoadOutcome::Released(r));
@@ -385,11 +427,10 @@ impl LoaderThread {
                     e,
                     KvConnectorError::TransferFailed { .. } | KvConnectorError::UnknownPeer(_)
                 );
+                // Bad block ids and the like mean params that do not match the producer
+                // (forged, or another producer's): its lease, if any, is left alone.
                 if peer_gone {
                     self.forget(&job.peer, &name);
-                } else {
-                    // Bad block ids and the like: the producer may still free.
-                    let _ = self.release(&job, &name);
                 }
                 self.fail(&job, format!("READ from producer {} failed: {e}", job.peer));
             }
@@ -407,7 +448,7 @@ impl LoaderThread {
                 Failed(String, bool),
                 Cancelled,
             }
-            let next = if f.job.cancel.load(Ordering::Acquire) {
+            let next = if f.job.cancelled() {
                 Next::Cancelled
             } else {
                 match f.handle.poll() {

@@ -172,7 +172,7 @@ impl KvConnectorScheduler for NixlPullScheduler {
             return Ok(MatchedTokens::default());
         }
         debug_assert_eq!(remote.tp_size, SUPPORTED_TP_SIZE);
-        if num_computed_tokens % self.config.block_size != 0 {
+        if !num_computed_tokens.is_multiple_of(self.config.block_size) {
             // Loading into a partly computed (possibly shared) block is never done.
             tracing::warn!(request = %request.external_id, num_computed_tokens,
                 "local prefix hit is not block-aligned; prefilling locally");
@@ -216,7 +216,9 @@ impl KvConnectorScheduler for NixlPullScheduler {
         let end = prompt_len.div_ceil(bs);
         self.loading.insert(id);
         let mut spec = Self::spec(id, &remote, LoadKind::Read);
-        if local_computed % bs != 0 || block_ids.len() < end || remote.remote_block_ids.len() != end
+        if !local_computed.is_multiple_of(bs)
+            || block_ids.len() < end
+            || remote.remote_block_ids.len() != end
         {
             let reason = format!(
                 "cannot place the load: {num_external_tokens} external of {prompt_len} prompt \

@@ -160,16 +160,12 @@ impl NixlPullWorker {
             remote: spec.remote_block_ids.iter().map(|&b| b as usize).collect(),
             cancel: cancel.clone(),
         };
-        match loader.submit(job) {
-            Ok(()) => {
-                if read {
-                    self.jobs.insert(spec.request_id, cancel);
-                }
+        if loader.submit(job) {
+            if read {
+                self.jobs.insert(spec.request_id, cancel);
             }
-            Err(_) if read => {
-                self.fail_now(spec.request_id, "the transfer thread is gone".into());
-            }
-            Err(_) => {}
+        } else if read {
+            self.fail_now(spec.request_id, "the transfer thread is gone".into());
         }
     }
 
@@ -316,6 +312,8 @@ impl KvConnectorWorker for NixlPullWorker {
                     load_timeout: self.config.load_timeout,
                     handshake_timeout: self.config.handshake_timeout,
                     kv_lease_duration: self.config.kv_lease_duration,
+                    progress_when_idle: !self.config.agent.progress_thread
+                        && !self.config.role.is_producer(),
                 },
             )?);
         }

@@ -156,7 +156,8 @@ impl NixlExtraConfig {
         NixlExtraConfig {
             side_channel_host: std::env::var(SIDE_CHANNEL_HOST_ENV)
                 .ok()
-                .filter(|h| !h.trim().is_empty())
+                .map(|h| h.trim().to_string())
+                .filter(|h| !h.is_empty())
                 .unwrap_or_else(|| DEFAULT_SIDE_CHANNEL_HOST.to_string()),
             kv_lease_duration: DEFAULT_KV_LEASE_DURATION,
             load_timeout: DEFAULT_LOAD_TIMEOUT,
@@ -332,6 +333,14 @@ impl KvTransferConfig {
                 )))
             }
         };
+        let host = &kv_connector_extra_config.side_channel_host;
+        if !crate::params::valid_host(host) {
+            // Only reachable through the environment; the key itself is checked above.
+            return Err(invalid(format!(
+                "side_channel_host from ${SIDE_CHANNEL_HOST_ENV} must be a host name or IP \
+                 address, got {host:?}"
+            )));
+        }
         let kv_fault_injection = match obj.get("kv_fault_injection") {
             None | Some(Value::Null) => None,
             Some(v @ Value::Object(_)) => Some(v.clone()),
@@ -396,11 +405,8 @@ fn parse_extra(extra: &Map<String, Value>) -> Result<NixlExtraConfig, KvConnecto
     check_keys(extra, &EXTRA_KEYS, "kv_connector_extra_config")?;
     let mut cfg = NixlExtraConfig::defaults();
     if let Some(host) = get_str(extra, "side_channel_host")? {
-        let host = host.trim();
-        if host.is_empty()
-            || host.len() > 253
-            || host.chars().any(|c| c.is_whitespace() || c == '/')
-        {
+        // Consumers accept exactly these hosts in `remote_host`.
+        if !crate::params::valid_host(host) {
             return Err(invalid(format!(
                 "side_channel_host must be a host name or IP address, got {host:?}"
             )));
@@ -424,6 +430,11 @@ fn parse_extra(extra: &Map<String, Value>) -> Result<NixlExtraConfig, KvConnecto
     }
     cfg.progress_thread = get_bool(extra, "progress_thread")?;
     Ok(cfg)
+}
+
+/// [`KvTransferConfig::parse`].
+pub fn parse(json: &str) -> Result<KvTransferConfig, KvConnectorError> {
+    KvTransferConfig::parse(json)
 }
 
 impl std::str::FromStr for KvTransferConfig {

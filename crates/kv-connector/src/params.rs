@@ -93,7 +93,7 @@ fn get_uint(obj: &Map<String, Value>, key: &str) -> Result<u64, KvConnectorError
 }
 
 /// A host name or IP literal: letters, digits, `.`, `-`, `_`, and for IPv6 `:`, `[`, `]`, `%`.
-fn valid_host(h: &str) -> bool {
+pub(crate) fn valid_host(h: &str) -> bool {
     !h.is_empty()
         && h.len() <= MAX_HOST_LEN
         && h.chars().all(|c| {

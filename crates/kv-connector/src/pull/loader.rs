@@ -9,7 +9,7 @@
 //!
 //! Invariants:
 //! - The consumer reads only from peers whose handshake it fetched and accepted itself.
-//! - Every READ job yields exactly one `Loaded`, `Failed` or `Cancelled` [`LoadResult`],
+//! - Every READ job yields exactly one `Loaded`, `Failed` or `Cancelled` result,
 //!   whatever happens, and a READ's handle is dropped (the transfer cancelled) before its failure
 //!   or cancellation is reported, so nothing writes into the blocks once the scheduler may reuse
 //!   them. A release job (or a READ cancelled before it started, which becomes one) also yields
@@ -47,7 +47,7 @@ pub struct LoaderConfig {
     pub handshake_timeout: Duration,
     /// Renew notifications go out every half of this while a READ is in flight.
     pub kv_lease_duration: Duration,
-    /// Call NIXL from the thread while idle too (every [`IDLE_WAIT`]), draining notifications:
+    /// Call NIXL from the thread while idle too (every 10 ms), draining notifications:
     /// for an agent without progress thread that nobody else drains (a pure consumer), so that
     /// UCX answers its peers' connection traffic between loads.
     pub progress_when_idle: bool,

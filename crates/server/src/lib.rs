@@ -5,8 +5,10 @@
 //! - [`extract`]: the JSON extractor whose rejections are OpenAI envelopes.
 //! - [`routes`]: the router and handlers; [`generate`]: engine events to responses.
 //! - [`error`]: the one mapping of errors to HTTP status and envelope.
+//! - [`bench`]: `tandem bench`, a load generator for a running endpoint.
 //! - [`launch`]: loading the model, sizing the KV cache, starting engine and server.
 
+pub mod bench;
 pub mod config;
 pub mod error;
 pub mod extract;

@@ -36,6 +36,11 @@ enum Command {
         #[command(flatten)]
         args: tandem_proxy::ProxyArgs,
     },
+    /// Measure TTFT, inter-token latency and throughput of a running endpoint.
+    Bench {
+        #[command(flatten)]
+        args: tandem_server::bench::BenchArgs,
+    },
     /// Print the KV checksums of KV held in a safetensors file, as JSON.
     KvChecksum {
         /// safetensors with `layers.{L}.k` / `layers.{L}.v`, each [tokens, kv_heads, head_dim].
@@ -112,6 +117,13 @@ fn main() -> anyhow::Result<()> {
                 .build()
                 .context("starting the async runtime")?;
             rt.block_on(tandem_server::launch::serve(args))
+        }
+        Command::Bench { args } => {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()
+                .context("starting the async runtime")?;
+            rt.block_on(tandem_server::bench::run(args))
         }
         Command::Proxy { args, .. } => {
             init_tracing();

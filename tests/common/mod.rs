@@ -56,13 +56,31 @@ impl Server {
     }
 
     pub fn start(sub: &str, args: &[&str], env: &[(&str, &str)]) -> Server {
+        Self::start_at(None, "127.0.0.1", sub, args, env)
+    }
+
+    /// Starts `tandem <sub>` listening on `host`, inside network namespace `netns` if given.
+    pub fn start_at(
+        netns: Option<&str>,
+        host: &str,
+        sub: &str,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Server {
         let port = free_port();
         let log = std::env::temp_dir().join(format!("tandem-test-{sub}-{port}.log"));
         let logf = std::fs::File::create(&log).unwrap();
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_tandem"));
+        let mut cmd = match netns {
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns, env!("CARGO_BIN_EXE_tandem")]);
+                c
+            }
+            None => Command::new(env!("CARGO_BIN_EXE_tandem")),
+        };
         cmd.arg(sub)
             .args(args)
-            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+            .args(["--host", host, "--port", &port.to_string()])
             .current_dir(repo_root())
             .env("RUST_LOG", "info")
             .stdout(Stdio::from(logf.try_clone().unwrap()))
@@ -74,7 +92,7 @@ impl Server {
         let mut s = Server {
             child,
             port,
-            base: format!("http://127.0.0.1:{port}"),
+            base: format!("http://{host}:{port}"),
             log,
         };
         s.wait_healthy(Duration::from_secs(120));

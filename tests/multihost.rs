@@ -1,0 +1,152 @@
+//! P/D across two network hosts: the producer and the consumer run in two network namespaces
+//! joined by veth pairs on a bridge, each with its own address; the proxy, in the root namespace,
+//! reaches both over the bridge. Outputs must equal a single instance's. Needs root (CI is root);
+//! elsewhere the test says so and passes without running.
+
+mod common;
+
+use std::process::Command;
+use std::time::Duration;
+
+use common::Server;
+use serde_json::{json, Value};
+
+const BRIDGE_ADDR: &str = "10.77.0.254";
+const PRODUCER_ADDR: &str = "10.77.0.1";
+const CONSUMER_ADDR: &str = "10.77.0.2";
+
+/// Two namespaces on a bridge; torn down on drop.
+struct Hosts {
+    tag: String,
+}
+
+fn ip(args: &[&str]) {
+    let out = Command::new("ip").args(args).output().expect("run ip");
+    assert!(
+        out.status.success(),
+        "ip {}: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+impl Hosts {
+    fn new() -> Hosts {
+        let tag = format!("t{}", std::process::id() % 100_000);
+        let h = Hosts { tag };
+        let br = h.name("br");
+        ip(&["link", "add", &br, "type", "bridge"]);
+        ip(&["addr", "add", &format!("{BRIDGE_ADDR}/24"), "dev", &br]);
+        ip(&["link", "set", &br, "up"]);
+        for (role, addr) in [("p", PRODUCER_ADDR), ("d", CONSUMER_ADDR)] {
+            let ns = h.ns(role);
+            let outer = h.name(&format!("{role}o"));
+            let inner = h.name(&format!("{role}i"));
+            ip(&["netns", "add", &ns]);
+            ip(&["link", "add", &outer, "type", "veth", "peer", "name", &inner]);
+            ip(&["link", "set", &inner, "netns", &ns]);
+            ip(&["link", "set", &outer, "master", &br]);
+            ip(&["link", "set", &outer, "up"]);
+            ip(&["-n", &ns, "addr", "add", &format!("{addr}/24"), "dev", &inner]);
+            ip(&["-n", &ns, "link", "set", &inner, "up"]);
+            ip(&["-n", &ns, "link", "set", "lo", "up"]);
+        }
+        h
+    }
+    fn name(&self, what: &str) -> String {
+        format!("tdm{}{what}", self.tag)
+    }
+    fn ns(&self, role: &str) -> String {
+        format!("tandem-{}-{role}", self.tag)
+    }
+    fn inner_dev(&self, role: &str) -> String {
+        self.name(&format!("{role}i"))
+    }
+}
+
+impl Drop for Hosts {
+    fn drop(&mut self) {
+        for role in ["p", "d"] {
+            let _ = Command::new("ip").args(["netns", "del", &self.ns(role)]).status();
+            let _ = Command::new("ip")
+                .args(["link", "del", &self.name(&format!("{role}o"))])
+                .status();
+        }
+        let _ = Command::new("ip").args(["link", "del", &self.name("br")]).status();
+    }
+}
+
+fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+        .unwrap_or(false)
+}
+
+async fn greedy(base: &str, prompt: &str) -> Vec<u64> {
+    let v: Value = reqwest::Client::builder()
+        .timeout(Duration::from_secs(300))
+        .build()
+        .unwrap()
+        .post(format!("{base}/v1/completions"))
+        .json(&json!({"prompt": prompt, "max_tokens": 12, "temperature": 0, "return_token_ids": true}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    v["choices"][0]["token_ids"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{v}"))
+        .iter()
+        .map(|x| x.as_u64().unwrap())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pd_across_two_network_namespaces_matches_one_instance() {
+    if !is_root() {
+        eprintln!("skipped: creating network namespaces needs root (CI runs this test as root)");
+        return;
+    }
+    common::require_model();
+    let hosts = Hosts::new();
+    let producer_cfg = format!(
+        r#"{{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_connector_extra_config":{{"side_channel_host":"{PRODUCER_ADDR}"}}}}"#
+    );
+    let consumer_cfg = r#"{"kv_connector":"NixlConnector","kv_role":"kv_consumer","kv_load_failure_policy":"fail"}"#;
+    let pdev = hosts.inner_dev("p");
+    let ddev = hosts.inner_dev("d");
+    let producer = Server::start_at(
+        Some(&hosts.ns("p")),
+        PRODUCER_ADDR,
+        "serve",
+        &["--kv-transfer-config", &producer_cfg],
+        &[("UCX_NET_DEVICES", &pdev)],
+    );
+    let consumer = Server::start_at(
+        Some(&hosts.ns("d")),
+        CONSUMER_ADDR,
+        "serve",
+        &["--kv-transfer-config", consumer_cfg],
+        &[("UCX_NET_DEVICES", &ddev)],
+    );
+    let proxy = Server::start(
+        "proxy",
+        &["--prefill", &producer.base, "--decode", &consumer.base],
+        &[],
+    );
+    let single = Server::serve(&[]);
+    for p in ["The capital of France is", "Once upon a time, in a small village,", "Hi"] {
+        assert_eq!(greedy(&proxy.base, p).await, greedy(&single.base, p).await, "{p}");
+    }
+    let bytes = consumer.metric("tandem:kv_transfer_bytes_total", &[]).await.unwrap();
+    assert!(bytes > 0.0, "the KV crossed the namespaces over NIXL");
+    assert_eq!(consumer.metric("tandem:kv_transfer_failures_total", &[]).await, Some(0.0));
+    drop(proxy);
+    drop(producer);
+    drop(consumer);
+    drop(hosts);
+}

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Serving benchmark: one instance against a 1P1D deployment behind the proxy, same load, one run.
+# Prints `tandem bench` tables (TTFT, ITL, throughput at each concurrency) and, for 1P1D, the KV
+# transfer bandwidth inside P/D requests against memcpy and process_vm_readv of the same bytes.
+# Usage: scripts/bench.sh [extra tandem-bench flags, e.g. --concurrency 1,16 --max-tokens 64]
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+./scripts/setup.sh >/dev/null
+cargo build --release --locked -p tandem-server 2>&1 | tail -n 1
+bin=target/release/tandem
+pids=()
+cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
+trap cleanup EXIT
+wait_up() { for _ in $(seq 1 600); do curl -sf "$1/health" >/dev/null && return 0; sleep 0.2; done; echo "$1 did not come up"; exit 1; }
+serve_args=(--model smollm2-135m --host 127.0.0.1 ${TANDEM_BENCH_SERVE_ARGS:-})
+
+echo "== single instance"
+"$bin" serve "${serve_args[@]}" --port 9100 >/tmp/tandem-bench-single.log 2>&1 & pids+=($!)
+wait_up http://127.0.0.1:9100
+"$bin" bench --url http://127.0.0.1:9100 "$@"
+kill "${pids[@]}"; wait 2>/dev/null || true; pids=()
+
+echo "== 1P1D behind the proxy"
+"$bin" serve "${serve_args[@]}" --port 9200 \
+    --kv-transfer-config '{"kv_connector":"NixlConnector","kv_role":"kv_producer"}' >/tmp/tandem-bench-p.log 2>&1 & pids+=($!)
+"$bin" serve "${serve_args[@]}" --port 9300 \
+    --kv-transfer-config '{"kv_connector":"NixlConnector","kv_role":"kv_consumer"}' >/tmp/tandem-bench-d.log 2>&1 & pids+=($!)
+"$bin" proxy --host 127.0.0.1 --port 9000 --prefill http://127.0.0.1:9200 --decode http://127.0.0.1:9300 \
+    >/tmp/tandem-bench-proxy.log 2>&1 & pids+=($!)
+wait_up http://127.0.0.1:9000
+"$bin" bench --url http://127.0.0.1:9000 --kv-metrics-url http://127.0.0.1:9300 "$@"

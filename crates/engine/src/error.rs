@@ -29,6 +29,9 @@ pub enum EngineError {
     /// The model failed during a step.
     #[error("model execution failed: {0}")]
     Execution(String),
+    /// The engine's configuration cannot work (found at startup).
+    #[error("invalid engine configuration: {0}")]
+    InvalidConfig(String),
 }
 
 impl EngineError {

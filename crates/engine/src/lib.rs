@@ -6,6 +6,7 @@
 //! - [`scheduler`]: continuous batching over the paged KV cache, chunked prefill, preemption,
 //!   and the connector hooks (remote KV, delayed free).
 //! - [`scheduler_output`]: what a step asks of workers and what they answer.
+//! - [`kv_checksum`]: end-to-end KV checksums (config, scheduler side, worker side, faults).
 //! - [`worker`]: the worker interface; [`model_worker`]: the worker that runs the model.
 //! - [`core`]: the engine thread and its handle.
 //! - [`metrics`]: every metric name.
@@ -13,6 +14,7 @@
 pub mod core;
 pub mod detokenizer;
 pub mod error;
+pub mod kv_checksum;
 pub mod metrics;
 pub mod model_worker;
 pub mod output;
@@ -25,6 +27,7 @@ pub mod worker;
 pub use crate::core::{EngineHandle, RequestStream, RequestValidator};
 pub use detokenizer::Detokenize;
 pub use error::EngineError;
+pub use kv_checksum::{ChecksumWorker, FaultInjection, FaultKind, KvChecksumConfig, WorkerGrid};
 pub use output::RequestEvent;
 pub use request::{FinishReason, NewRequest, RequestStatus};
 pub use sampling::{SamplingParams, TokenLogprob};

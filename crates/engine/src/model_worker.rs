@@ -2,7 +2,10 @@
 //!
 //! It owns each request's sampler (created when the request is first scheduled, dropped when the
 //! scheduler reports it finished) and drives the connector's worker side around the forward pass:
-//! transfers start before the forward, finished ones are collected after it.
+//! transfers start before the forward, finished ones are collected after it. Its
+//! [`ChecksumWorker`] (every layer and head: TP 1, PP 1) learns the step's loads before the
+//! connector starts them, checksums sends on its side thread after the forward, and checksums
+//! the loads the connector reports finished before the step returns.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -12,6 +15,7 @@ use tandem_kv_connector::base::KvConnectorWorker;
 use tandem_models::{CausalLm, ForwardBatch, SeqBatch};
 
 use crate::error::EngineError;
+use crate::kv_checksum::ChecksumWorker;
 use crate::sampling::Sampler;
 use crate::scheduler_output::{SampledToken, SchedulerOutput, WorkerOutput};
 use crate::worker::{FlatBatch, Worker};
@@ -23,6 +27,7 @@ pub struct ModelWorker {
     block_size: usize,
     samplers: HashMap<u64, Sampler>,
     connector: Box<dyn KvConnectorWorker>,
+    checksums: ChecksumWorker,
 }
 
 impl ModelWorker {
@@ -35,13 +40,81 @@ impl ModelWorker {
         connector
             .register_kv_caches(kv.clone())
             .map_err(|e| EngineError::Execution(format!("registering KV caches: {e}")))?;
+        // The storage was allocated from these groups; they name each layer's group and spec.
+        let groups = if kv.num_layers() == 0 {
+            Vec::new()
+        } else {
+            model.kv_cache_groups(block_size, kv.layout(0).dtype)
+        };
+        let checksums = ChecksumWorker::single(kv.clone(), &groups);
         Ok(ModelWorker {
             model,
             kv,
             block_size,
             samplers: HashMap::new(),
             connector,
+            checksums,
         })
+    }
+}
+
+impl ModelWorker {
+    /// Starts the step's transfers and runs the forward; returns the sampled tokens.
+    fn run_step(&mut self, step: &SchedulerOutput) -> Result<Vec<SampledToken>, EngineError> {
+        self.connector
+            .start_load_kv(&step.connector_metadata)
+            .map_err(|e| EngineError::Execution(format!("starting KV transfers: {e}")))?;
+        let mut sampled = Vec::new();
+        if !step.has_model_work() {
+            return Ok(sampled);
+        }
+        for s in &step.scheduled {
+            if let Some(p) = &s.sampling {
+                self.samplers.insert(s.request_id, Sampler::new(p.clone()));
+            }
+        }
+        let flat = FlatBatch::build(step, self.block_size);
+        let tables: Vec<&[u32]> = step
+            .scheduled
+            .iter()
+            .map(|s| s.block_table.as_slice())
+            .collect();
+        let seqs: Vec<SeqBatch<'_>> = flat
+            .seqs
+            .iter()
+            .zip(&tables)
+            .map(|(&(query_start, query_len, context_len), table)| SeqBatch {
+                query_start,
+                query_len,
+                context_len,
+                block_table: table,
+            })
+            .collect();
+        let batch = ForwardBatch {
+            token_ids: &flat.token_ids,
+            positions: &flat.positions,
+            slot_mapping: &flat.slot_mapping,
+            seqs: &seqs,
+            logits_indices: &flat.logits_indices,
+        };
+        let logits = self
+            .model
+            .forward(&batch, &self.kv)
+            .map_err(|e| EngineError::Execution(e.to_string()))?;
+        let vocab = self.model.info().vocab_size;
+        for (row, &id) in flat.sampled_requests.iter().enumerate() {
+            let sampler = self
+                .samplers
+                .get_mut(&id)
+                .ok_or_else(|| EngineError::Execution(format!("no sampler for request {id}")))?;
+            let (token_id, logprob) = sampler.sample(&logits[row * vocab..(row + 1) * vocab]);
+            sampled.push(SampledToken {
+                request_id: id,
+                token_id,
+                logprob,
+            });
+        }
+        Ok(sampled)
     }
 }
 
@@ -50,58 +123,18 @@ impl Worker for ModelWorker {
         for id in &step.finished_request_ids {
             self.samplers.remove(id);
         }
-        self.connector
-            .start_load_kv(&step.connector_metadata)
-            .map_err(|e| EngineError::Execution(format!("starting KV transfers: {e}")))?;
-        let mut out = WorkerOutput::default();
-        if step.has_model_work() {
-            for s in &step.scheduled {
-                if let Some(p) = &s.sampling {
-                    self.samplers.insert(s.request_id, Sampler::new(p.clone()));
-                }
-            }
-            let flat = FlatBatch::build(step, self.block_size);
-            let tables: Vec<&[u32]> = step
-                .scheduled
-                .iter()
-                .map(|s| s.block_table.as_slice())
-                .collect();
-            let seqs: Vec<SeqBatch<'_>> = flat
-                .seqs
-                .iter()
-                .zip(&tables)
-                .map(|(&(query_start, query_len, context_len), table)| SeqBatch {
-                    query_start,
-                    query_len,
-                    context_len,
-                    block_table: table,
-                })
-                .collect();
-            let batch = ForwardBatch {
-                token_ids: &flat.token_ids,
-                positions: &flat.positions,
-                slot_mapping: &flat.slot_mapping,
-                seqs: &seqs,
-                logits_indices: &flat.logits_indices,
-            };
-            let logits = self
-                .model
-                .forward(&batch, &self.kv)
-                .map_err(|e| EngineError::Execution(e.to_string()))?;
-            let vocab = self.model.info().vocab_size;
-            for (row, &id) in flat.sampled_requests.iter().enumerate() {
-                let sampler = self.samplers.get_mut(&id).ok_or_else(|| {
-                    EngineError::Execution(format!("no sampler for request {id}"))
-                })?;
-                let (token_id, logprob) = sampler.sample(&logits[row * vocab..(row + 1) * vocab]);
-                out.sampled.push(SampledToken {
-                    request_id: id,
-                    token_id,
-                    logprob,
-                });
-            }
-        }
+        self.checksums
+            .begin_step(&step.checksum_work, &step.finished_request_ids);
+        let sampled = self.run_step(step);
+        // The forward wrote this step's KV: the prompts it completed can be checksummed. Queued
+        // even after a failed step, so that every send job is answered and its blocks released.
+        self.checksums.start_sends(&step.checksum_work);
+        let mut out = WorkerOutput {
+            sampled: sampled?,
+            ..Default::default()
+        };
         out.connector_output = self.connector.get_finished();
+        out.checksum_records = self.checksums.end_step(&out.connector_output);
         Ok(out)
     }
 }

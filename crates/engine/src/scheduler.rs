@@ -7,21 +7,35 @@
 //! without preemption, in arrival order, after a prefix-cache lookup and the connector's answer
 //! about remote tokens.
 //!
+//! KV checksums (when enabled, see [`crate::kv_checksum`]): in the step whose tokens cross a
+//! producer request's prompt, its blocks go to the workers to be checksummed after the forward;
+//! a request that finishes normally before every worker reported waits, finished but
+//! unanswered, in `awaiting_checksums` (at most the send timeout), and its answer's
+//! `kv_transfer_params` carry the checksums. A load's blocks go to the workers when it starts;
+//! its verdict comes before the request is queued again, and under fail-closed a bad load takes
+//! the same path as a load the connector reported failed.
+//!
 //! Invariants (checked by the lifecycle tests): every request is in exactly one of `waiting`,
-//! `running`, `remote_waiting`, or (finished, blocks held for the connector) `delayed_free`;
-//! once all requests are finished and released, no block is held.
+//! `running`, `remote_waiting`, `awaiting_checksums`, or (finished, blocks held for the connector
+//! or for a checksum still reading them) `delayed_free` / `checksum_holds`; a request whose
+//! blocks a checksum reads is neither preempted nor freed; once all requests are finished and
+//! released, no block is held.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
 
-use tandem_kv_cache::{CachedPrefix, KvCacheManager};
+use serde_json::Value;
+use tandem_kv_cache::{CachedPrefix, KvCacheGroup, KvCacheManager};
 use tandem_kv_connector::base::{
-    ConnectorOutput, ConnectorRequest, FinishKind, KvConnectorScheduler,
+    ConnectorOutput, ConnectorRequest, FinishKind, KvChecksumCarrier, KvConnectorScheduler,
+    KV_CHECKSUMS_PARAM,
 };
 
 use crate::detokenizer::Detokenize;
 use crate::error::EngineError;
+use crate::kv_checksum::tracker::{ChecksumTracker, LoadCheck};
+use crate::kv_checksum::{KvChecksumConfig, WorkerGrid};
 use crate::metrics as m;
 use crate::output::RequestEvent;
 use crate::request::{FinishReason, NewRequest, Request, RequestStatus};
@@ -78,10 +92,20 @@ pub struct SchedulerStats {
     pub waiting: usize,
     pub waiting_for_remote_kv: usize,
     pub delayed_free: usize,
+    /// Finished requests waiting for their KV checksums before they answer.
+    pub awaiting_checksums: usize,
     pub free_blocks: usize,
     pub total_blocks: usize,
     /// Preemptions since start.
     pub preemptions: u64,
+}
+
+/// A finished request's answer, held until its KV checksums arrive.
+struct AwaitingChecksums {
+    reason: FinishReason,
+    event: RequestEvent,
+    stop_reason: Option<String>,
+    deadline: Instant,
 }
 
 /// Schedules requests over one KV cache. See the module docs.
@@ -96,6 +120,11 @@ pub struct Scheduler {
     running: Vec<u64>,
     remote_waiting: HashSet<u64>,
     delayed_free: HashSet<u64>,
+    /// KV checksums, when enabled and carried by the connector.
+    checksums: Option<ChecksumTracker>,
+    awaiting_checksums: HashMap<u64, AwaitingChecksums>,
+    /// Finished requests whose blocks a send checksum still reads.
+    checksum_holds: HashSet<u64>,
     finished_since_last_step: Vec<u64>,
     step: u64,
     reported_prefix_stats: (u64, u64),
@@ -122,6 +151,9 @@ impl Scheduler {
             running: Vec::new(),
             remote_waiting: HashSet::new(),
             delayed_free: HashSet::new(),
+            checksums: None,
+            awaiting_checksums: HashMap::new(),
+            checksum_holds: HashSet::new(),
             finished_since_last_step: Vec::new(),
             step: 0,
             reported_prefix_stats: (0, 0),
@@ -132,6 +164,84 @@ impl Scheduler {
     pub fn config(&self) -> &SchedulerConfig {
         &self.config
     }
+
+    /// Turns KV checksums on (`config.enabled`) for the KV cache `groups` over a `grid` of
+    /// workers; call once, before the first step. Returns whether checksums are active.
+    ///
+    /// A connector that carries no checksums ([`KvConnectorScheduler::carries_kv_checksums`])
+    /// can verify no load: under fail-closed that refuses to start
+    /// ([`EngineError::InvalidConfig`]), otherwise checksums are disabled with a warning.
+    pub fn enable_kv_checksums(
+        &mut self,
+        config: &KvChecksumConfig,
+        groups: &[KvCacheGroup],
+        grid: WorkerGrid,
+    ) -> Result<bool, EngineError> {
+        self.checksums = None;
+        if !config.enabled {
+            if config.fault_injection.is_some() {
+                tracing::warn!(
+                    "kv_fault_injection is set but enable_kv_checksum is not: no fault is injected"
+                );
+            }
+            return Ok(false);
+        }
+        if !self.connector.carries_kv_checksums() {
+            if config.fail_closed {
+                return Err(EngineError::InvalidConfig(
+                    "enable_kv_checksum with kv_checksum_fail_closed: the KV connector carries no \
+                     KV checksums, so every load would fail verification; use a connector that \
+                     carries them or turn off kv_checksum_fail_closed"
+                        .into(),
+                ));
+            }
+            tracing::warn!(
+                "enable_kv_checksum: the KV connector carries no KV checksums; KV checksums are \
+                 disabled"
+            );
+            return Ok(false);
+        }
+        if grid.tp_size == 0 || grid.pp_size == 0 {
+            return Err(EngineError::InvalidConfig(format!(
+                "KV checksums over {} x {} workers",
+                grid.tp_size, grid.pp_size
+            )));
+        }
+        if let Some(g) = groups
+            .iter()
+            .find(|g| g.spec.block_size() != self.kv.block_size())
+        {
+            return Err(EngineError::InvalidConfig(format!(
+                "KV cache group {} has block size {}, the scheduler's is {}",
+                g.group_id,
+                g.spec.block_size(),
+                self.kv.block_size()
+            )));
+        }
+        if let Some(f) = &config.fault_injection {
+            tracing::warn!(
+                kind = f.kind.as_str(),
+                probability = f.probability,
+                seed = f.seed,
+                "KV FAULT INJECTION IS ON: loads are damaged on purpose before verification; \
+                 never use this in production"
+            );
+        }
+        tracing::info!(
+            fail_closed = config.fail_closed,
+            kv_load_failure_policy = self.config.kv_load_failure_policy.as_str(),
+            tp_size = grid.tp_size,
+            pp_size = grid.pp_size,
+            "KV checksums enabled"
+        );
+        self.checksums = Some(ChecksumTracker::new(config, groups, grid));
+        Ok(true)
+    }
+
+    /// Whether KV checksums are active.
+    pub fn kv_checksums_enabled(&self) -> bool {
+        self.checksums.is_some()
+    }
     pub fn kv(&self) -> &KvCacheManager {
         &self.kv
     }
@@ -141,7 +251,8 @@ impl Scheduler {
             running: self.running.len(),
             waiting: self.waiting.len(),
             waiting_for_remote_kv: self.remote_waiting.len(),
-            delayed_free: self.delayed_free.len(),
+            delayed_free: self.delayed_free.union(&self.checksum_holds).count(),
+            awaiting_checksums: self.awaiting_checksums.len(),
             free_blocks: self.kv.num_free_blocks(),
             total_blocks: self.kv.num_blocks(),
             preemptions: self.preemptions,
@@ -150,7 +261,7 @@ impl Scheduler {
 
     /// Requests the scheduler still tracks (unfinished, or finished with held blocks).
     pub fn num_unfinished(&self) -> usize {
-        self.requests.len() + self.delayed_free.len()
+        self.requests.len() + self.delayed_free.union(&self.checksum_holds).count()
     }
 
     /// Whether a step would have anything to do.
@@ -159,7 +270,10 @@ impl Scheduler {
     }
     /// Whether requests wait for something outside the step loop (remote KV, lease holders).
     pub fn has_pending_transfers(&self) -> bool {
-        !self.remote_waiting.is_empty() || !self.delayed_free.is_empty()
+        !self.remote_waiting.is_empty()
+            || !self.delayed_free.is_empty()
+            || !self.awaiting_checksums.is_empty()
+            || !self.checksum_holds.is_empty()
     }
 
     /// Checks a new request against the model and cache limits.
@@ -255,6 +369,7 @@ impl Scheduler {
     /// Decides the next step.
     pub fn schedule(&mut self) -> SchedulerOutput {
         self.step += 1;
+        self.poll_checksums(Instant::now());
         let mut budget = self.config.max_num_batched_tokens;
         let mut scheduled: Vec<(u64, usize)> = Vec::new();
         let mut preempted = false;
@@ -272,10 +387,18 @@ impl Scheduler {
             let target = req.num_computed_tokens + num_new;
             let mut admitted = true;
             while self.kv.allocate(id, target, None).is_none() {
-                let victim = *self.running.last().expect("running is not empty");
-                self.running.pop();
-                self.preempt(victim);
+                // The most recent request not yet scheduled this step (this one included), unless
+                // a checksum reads its blocks.
+                let victim = (i..self.running.len())
+                    .rev()
+                    .find(|&p| !self.checksum_reads(self.running[p]));
                 preempted = true;
+                let Some(p) = victim else {
+                    admitted = false;
+                    break;
+                };
+                let victim = self.running.remove(p);
+                self.preempt(victim);
                 if victim == id {
                     admitted = false;
                     break;
@@ -337,11 +460,22 @@ impl Scheduler {
                 req.num_external_tokens = matched.num_external_tokens;
                 req.status = RequestStatus::WaitingForRemoteKv;
                 let table = self.kv.block_table(id).to_vec();
-                self.connector.update_state_after_alloc(
-                    &Self::connector_view(req),
-                    &table,
-                    matched.num_external_tokens,
-                );
+                let view = Self::connector_view(req);
+                self.connector
+                    .update_state_after_alloc(&view, &table, matched.num_external_tokens);
+                if let Some(t) = self.checksums.as_mut() {
+                    if self.connector.kv_checksum_carrier(&view, true)
+                        == Some(KvChecksumCarrier::KvTransferParams)
+                    {
+                        t.add_load(
+                            id,
+                            req.kv_transfer_params.as_ref(),
+                            local_computed,
+                            local_computed + matched.num_external_tokens,
+                            &table,
+                        );
+                    }
+                }
                 self.waiting.pop_front();
                 self.remote_waiting.insert(id);
                 continue;
@@ -377,6 +511,7 @@ impl Scheduler {
             budget -= num_new;
         }
 
+        self.add_checksum_sends(&scheduled);
         let scheduled = scheduled
             .into_iter()
             .map(|(id, n)| self.scheduled_request(id, n))
@@ -387,13 +522,74 @@ impl Scheduler {
             scheduled,
             finished_request_ids: std::mem::take(&mut self.finished_since_last_step),
             connector_metadata: self.connector.build_connector_meta(),
-            checksum_work: Default::default(),
+            checksum_work: self
+                .checksums
+                .as_mut()
+                .map(|t| t.take_work())
+                .unwrap_or_default(),
+        }
+    }
+
+    /// Whether a send checksum still reads the request's blocks (they may not be freed).
+    fn checksum_reads(&self, id: u64) -> bool {
+        self.checksums
+            .as_ref()
+            .is_some_and(|t| t.send_in_flight(id))
+    }
+
+    /// Producer requests whose prompt this step completes: their prompt's blocks go to the
+    /// workers, to be checksummed after the forward.
+    fn add_checksum_sends(&mut self, scheduled: &[(u64, usize)]) {
+        let Some(t) = self.checksums.as_mut() else {
+            return;
+        };
+        for &(id, n) in scheduled {
+            let req = &self.requests[&id];
+            let (start, prompt) = (req.num_computed_tokens, req.num_prompt_tokens);
+            if !(start < prompt && start + n >= prompt) {
+                continue;
+            }
+            if self
+                .connector
+                .kv_checksum_carrier(&Self::connector_view(req), false)
+                == Some(KvChecksumCarrier::KvTransferParams)
+            {
+                t.add_send(id, prompt, self.kv.block_table(id));
+            }
+        }
+    }
+
+    /// Frees blocks no checksum reads any more, and answers the finished requests whose
+    /// checksums arrived (or whose wait timed out).
+    fn poll_checksums(&mut self, now: Instant) {
+        let Some(t) = self.checksums.as_mut() else {
+            return;
+        };
+        for id in t.take_released() {
+            if self.checksum_holds.remove(&id) && !self.delayed_free.contains(&id) {
+                self.kv.free(id);
+            }
+        }
+        let mut ready: Vec<u64> = self
+            .awaiting_checksums
+            .iter()
+            .filter(|(id, a)| now >= a.deadline || !t.send_in_flight(**id))
+            .map(|(id, _)| *id)
+            .collect();
+        ready.sort_unstable();
+        for id in ready {
+            if let Some(a) = self.awaiting_checksums.remove(&id) {
+                self.finish_now(id, a.reason, None, a.event, a.stop_reason);
+            }
         }
     }
 
     /// Applies a step's results: advance computed tokens, append sampled tokens, stop, stream.
     pub fn update_from_output(&mut self, out: &SchedulerOutput, worker: WorkerOutput) {
         let now = Instant::now();
+        if let Some(t) = self.checksums.as_mut() {
+            t.add_records(worker.checksum_records);
+        }
         let mut sampled: HashMap<u64, _> = worker
             .sampled
             .into_iter()
@@ -427,6 +623,7 @@ impl Scheduler {
         }
         metrics::counter!(m::PROMPT_TOKENS_TOTAL).increment(prompt_tokens);
         self.handle_connector_output(worker.connector_output);
+        self.poll_checksums(Instant::now());
         self.publish_gauges();
     }
 
@@ -501,7 +698,7 @@ impl Scheduler {
             metrics::histogram!(m::KV_TRANSFER_SECONDS).record(*s);
         }
         for id in &output.finished_sending {
-            if self.delayed_free.remove(id) {
+            if self.delayed_free.remove(id) && !self.checksum_holds.contains(id) {
                 self.kv.free(*id);
             }
         }
@@ -514,18 +711,28 @@ impl Scheduler {
         }
     }
 
-    /// A request's remote load ended: accept its blocks, or apply the failure policy.
+    /// A request's remote load ended: accept its blocks, or apply the failure policy. The
+    /// connector's failures come first (such a load is not compared); then, if the load is
+    /// checksummed, its verdict, which under fail-closed can fail it too.
     fn finish_remote_load(
         &mut self,
         id: u64,
-        failure: Option<String>,
+        mut failure: Option<String>,
         invalid_blocks: &HashSet<tandem_kv_cache::BlockId>,
     ) {
         let Some(req) = self.requests.get_mut(&id) else {
             return;
         };
         let table = self.kv.block_table(id).to_vec();
-        let bad = failure.is_some() || table.iter().any(|b| invalid_blocks.contains(b));
+        let mut bad = failure.is_some() || table.iter().any(|b| invalid_blocks.contains(b));
+        if let Some(t) = self.checksums.as_mut() {
+            if bad {
+                t.forget_load(id);
+            } else if let Some(LoadCheck::Reject(reason)) = t.verify_load(id, &req.external_id) {
+                bad = true;
+                failure = Some(reason);
+            }
+        }
         if !bad {
             // A load may cover the whole prompt; its last token is computed again locally,
             // since its logits are needed to sample the first output token.
@@ -573,12 +780,48 @@ impl Scheduler {
         id: u64,
         reason: FinishReason,
         error: Option<EngineError>,
+        event: RequestEvent,
+        stop_reason: Option<String>,
+    ) {
+        let normal = matches!(reason, FinishReason::Stop | FinishReason::Length);
+        if normal && self.checksum_reads(id) && !self.awaiting_checksums.contains_key(&id) {
+            // The answer carries the prompt's checksums: wait for the workers' records.
+            if let Some(req) = self.requests.get_mut(&id) {
+                req.status = RequestStatus::Finished(reason);
+                self.running.retain(|&r| r != id);
+                self.waiting.retain(|&w| w != id);
+                let timeout = self
+                    .checksums
+                    .as_ref()
+                    .map(|t| t.send_timeout())
+                    .unwrap_or_default();
+                self.awaiting_checksums.insert(
+                    id,
+                    AwaitingChecksums {
+                        reason,
+                        event,
+                        stop_reason,
+                        deadline: Instant::now() + timeout,
+                    },
+                );
+            }
+            return;
+        }
+        self.finish_now(id, reason, error, event, stop_reason);
+    }
+
+    fn finish_now(
+        &mut self,
+        id: u64,
+        reason: FinishReason,
+        error: Option<EngineError>,
         mut event: RequestEvent,
         stop_reason: Option<String>,
     ) {
         let Some(mut req) = self.requests.remove(&id) else {
             return;
         };
+        self.awaiting_checksums.remove(&id);
         self.waiting.retain(|&w| w != id);
         self.running.retain(|&r| r != id);
         self.remote_waiting.remove(&id);
@@ -591,12 +834,37 @@ impl Scheduler {
         let action = self
             .connector
             .request_finished(&Self::connector_view(&req), &table, kind);
-        if action.delay_free && !table.is_empty() {
+        let mut kv_transfer_params = action.kv_transfer_params;
+        let mut had_load = false;
+        if let Some(t) = self.checksums.as_mut() {
+            had_load = t.forget_load(id);
+            let normal = kind == FinishKind::Normal;
+            if let Some(checksums) = t.finish_send(id, normal, &req.external_id) {
+                match kv_transfer_params.as_mut().and_then(Value::as_object_mut) {
+                    Some(params) => {
+                        params.insert(KV_CHECKSUMS_PARAM.into(), Value::String(checksums));
+                        metrics::counter!(m::KV_CHECKSUM_SENDS_TOTAL).increment(1);
+                    }
+                    None => tracing::warn!(
+                        request = %req.external_id,
+                        "the connector carries KV checksums in kv_transfer_params but answered \
+                         none: no checksums sent"
+                    ),
+                }
+            }
+        }
+        let delay = action.delay_free && !table.is_empty();
+        let hold = !table.is_empty() && self.checksum_reads(id);
+        if delay {
             self.delayed_free.insert(id);
-        } else {
+        }
+        if hold {
+            self.checksum_holds.insert(id);
+        }
+        if !delay && !hold {
             self.kv.free(id);
         }
-        if req.sent_to_worker {
+        if req.sent_to_worker || had_load {
             self.finished_since_last_step.push(id);
         }
         metrics::counter!(m::REQUEST_SUCCESS_TOTAL, "finished_reason" => reason.as_str())
@@ -609,7 +877,7 @@ impl Scheduler {
         event.num_prompt_tokens = req.num_prompt_tokens;
         event.num_output_tokens = req.num_output_tokens();
         event.num_cached_tokens = req.num_cached_tokens.unwrap_or(0);
-        event.kv_transfer_params = action.kv_transfer_params;
+        event.kv_transfer_params = kv_transfer_params;
         let _ = req.sink.send(event);
     }
 
@@ -644,6 +912,7 @@ impl Scheduler {
             .iter()
             .chain(&self.running)
             .chain(&self.remote_waiting)
+            .chain(self.awaiting_checksums.keys())
         {
             if !seen.insert(*id) {
                 return Err(format!("request {id} is in two queues"));
@@ -658,6 +927,27 @@ impl Scheduler {
         for (id, r) in &self.requests {
             if r.num_computed_tokens > r.num_tokens() {
                 return Err(format!("request {id} computed more tokens than it has"));
+            }
+        }
+        for id in self.delayed_free.iter().chain(&self.checksum_holds) {
+            if self.requests.contains_key(id) {
+                return Err(format!(
+                    "request {id} holds blocks after finishing but is tracked"
+                ));
+            }
+            if self.kv.block_table(*id).is_empty() {
+                return Err(format!("request {id} is held but holds no block"));
+            }
+        }
+        if let Some(t) = &self.checksums {
+            if let Some(id) = self
+                .checksum_holds
+                .iter()
+                .find(|&&id| !t.send_in_flight(id))
+            {
+                return Err(format!(
+                    "request {id} is held for a checksum that no longer reads"
+                ));
             }
         }
         self.kv.pool().check_invariants()

@@ -2,11 +2,14 @@
 //!
 //! The worker is in-process, so each step carries full block tables rather than diffs. Checksum
 //! work rides along: blocks a producer checksums after the forward (`sends`), and blocks a consumer
-//! checksums when their load finishes (`recvs`); workers answer with one record per task.
+//! checksums when their load finishes (`recvs`); every worker answers each job with exactly one
+//! [`ChecksumRecord`], tagged with the job's generation.
 
 use tandem_kv_cache::BlockId;
+use tandem_kv_checksum::{ChecksumRequest, RequestRecord};
 use tandem_kv_connector::base::{ConnectorMetadata, ConnectorOutput};
 
+use crate::kv_checksum::BlockFault;
 use crate::sampling::{SamplingParams, TokenLogprob};
 
 /// One request's work in a step.
@@ -24,22 +27,29 @@ pub struct ScheduledRequest {
     pub sample: bool,
 }
 
-/// Blocks of one request to checksum.
+/// Blocks of one request for every worker to checksum.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ChecksumTask {
+pub struct ChecksumJob {
     pub request_id: u64,
-    /// Block ids in order of position; position of the first is `first_block`.
-    pub block_ids: Vec<BlockId>,
-    pub first_block: usize,
-    /// Tokens of the request the checksums cover (the last block may be partial).
-    pub num_tokens: usize,
+    /// Names this job among the request's jobs: a record of an older generation (a prefill that
+    /// was preempted and redone, a load that ended) is stale and dropped by the scheduler.
+    pub generation: u64,
+    /// The scheduler's block selection (per group: positions, tokens, block ids).
+    pub blocks: ChecksumRequest,
+    /// Loads only: a fault to inject into the loaded blocks before they are checksummed.
+    pub fault: Option<BlockFault>,
 }
 
 /// Checksum work of a step.
+///
+/// - `sends`: a producer's prompts that this step's forward completes; workers checksum them
+///   after the forward, off the step's critical path, and report them in a later step.
+/// - `recvs`: loads that start this step; workers keep them until the connector reports the
+///   load finished and checksum it then, in that step.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ChecksumWork {
-    pub sends: Vec<ChecksumTask>,
-    pub recvs: Vec<ChecksumTask>,
+    pub sends: Vec<ChecksumJob>,
+    pub recvs: Vec<ChecksumJob>,
 }
 
 impl ChecksumWork {
@@ -76,13 +86,23 @@ pub struct SampledToken {
     pub logprob: Option<TokenLogprob>,
 }
 
-/// A worker's checksum result for one task (opaque to the scheduler until checksums are wired).
+/// Which side of a transfer a checksum record is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ChecksumSide {
+    /// A producer's prompt ([`ChecksumWork::sends`]).
+    Send,
+    /// A consumer's load ([`ChecksumWork::recvs`]).
+    Recv,
+}
+
+/// One worker's checksums of one job.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ChecksumReport {
+pub struct ChecksumRecord {
     pub request_id: u64,
-    pub is_send: bool,
-    pub first_block: usize,
-    pub values: Vec<u64>,
+    /// The job's [`ChecksumJob::generation`].
+    pub generation: u64,
+    pub side: ChecksumSide,
+    pub record: RequestRecord,
 }
 
 /// What a worker returns for a step.
@@ -90,5 +110,6 @@ pub struct ChecksumReport {
 pub struct WorkerOutput {
     pub sampled: Vec<SampledToken>,
     pub connector_output: ConnectorOutput,
-    pub checksum_reports: Vec<ChecksumReport>,
+    /// Checksum records finished since the last step (every record of a job exactly once).
+    pub checksum_records: Vec<ChecksumRecord>,
 }

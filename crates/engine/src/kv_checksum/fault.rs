@@ -1,0 +1,273 @@
+//! Injected faults: what `kv_fault_injection` does to a finished load's blocks before they are
+//! checksummed, as a transfer could have done without reporting it.
+//!
+//! Every choice (block, layer, K or V, token, head, byte) comes from an RNG seeded by the
+//! load's [`BlockFault::seed`], so a run with the same seed injects the same faults. A
+//! corrupted byte always lies in a token slot the checksums cover, so a checksum that works
+//! always catches it. Invariant: only the blocks of the load's job are written, and only while
+//! the worker owns them (after the connector reported the load finished, before the verdict).
+
+use tandem_kv_cache::{KvPart, KvStorage};
+use tandem_kv_checksum::{ChecksumRequest, ScheduledGroup};
+
+use super::config::{BlockFault, FaultKind};
+
+/// splitmix64: a small deterministic RNG, the same on every platform and dependency version.
+#[derive(Debug, Clone)]
+pub(crate) struct SplitMix(u64);
+
+impl SplitMix {
+    pub(crate) fn new(seed: u64) -> Self {
+        SplitMix(seed)
+    }
+
+    pub(crate) fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `[0, n)`; `n > 0`.
+    pub(crate) fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n as u64) as usize
+    }
+
+    /// Uniform in `[0, 1)`.
+    pub(crate) fn unit(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// The storage layers of a group on this worker.
+fn group_layers(storage: &KvStorage, group_id: usize) -> Vec<usize> {
+    (0..storage.num_layers())
+        .filter(|&i| storage.layer_group(i) == group_id)
+        .collect()
+}
+
+/// Applies `fault` to the loaded blocks `blocks` selects. Returns what it did, for the log, or
+/// `None` when this worker holds none of the blocks' layers (another PP stage's group) or the
+/// fault is not a block fault.
+///
+/// # Safety
+/// The caller must own every block of `blocks`: no forward, checksum or transfer may touch them
+/// during the call.
+pub unsafe fn inject(
+    storage: &KvStorage,
+    blocks: &ChecksumRequest,
+    fault: BlockFault,
+) -> Option<String> {
+    let mut rng = SplitMix::new(fault.seed);
+    let groups: Vec<(&ScheduledGroup, Vec<usize>)> = blocks
+        .groups
+        .iter()
+        .map(|g| (g, group_layers(storage, g.group_id)))
+        .filter(|(g, layers)| !g.block_ids.is_empty() && !layers.is_empty())
+        .collect();
+    if groups.is_empty() {
+        return None;
+    }
+    match fault.kind {
+        FaultKind::CorruptByte => corrupt_byte(storage, &groups, blocks.num_tokens, &mut rng),
+        FaultKind::SwapBlocks => {
+            let two: Vec<_> = groups
+                .iter()
+                .filter(|(g, _)| g.block_ids.len() >= 2)
+                .collect();
+            if two.is_empty() {
+                return corrupt_byte(storage, &groups, blocks.num_tokens, &mut rng)
+                    .map(|d| format!("{d} (one block: nothing to swap)"));
+            }
+            let (g, layers) = two[rng.below(two.len())];
+            let n = g.block_ids.len();
+            let a = rng.below(n);
+            let b = (a + 1 + rng.below(n - 1)) % n;
+            let (ba, bb) = (g.block_ids[a], g.block_ids[b]);
+            for &l in layers {
+                for part in [KvPart::K, KvPart::V] {
+                    // SAFETY: the caller owns both blocks; they differ, so the slices do not alias.
+                    let (x, y) = unsafe {
+                        (
+                            storage.block_bytes_mut(l, part, ba).ok()?,
+                            storage.block_bytes_mut(l, part, bb).ok()?,
+                        )
+                    };
+                    x.swap_with_slice(y);
+                }
+            }
+            Some(format!(
+                "swapped blocks {ba} and {bb} (positions {} and {}) of group {}",
+                g.start + a,
+                g.start + b,
+                g.group_id
+            ))
+        }
+        FaultKind::StaleBlocks => {
+            let mut count = 0;
+            let mut values = Vec::new();
+            for (g, layers) in &groups {
+                for &block in &g.block_ids {
+                    for &l in layers {
+                        let dtype = storage.layout(l).dtype;
+                        for part in [KvPart::K, KvPart::V] {
+                            // SAFETY: the caller owns the block; one slice at a time.
+                            let dst = unsafe { storage.block_bytes_mut(l, part, block).ok()? };
+                            // Plausible KV of some other request: small values in the cache dtype.
+                            values.clear();
+                            values.extend(
+                                (0..dst.len() / dtype.size())
+                                    .map(|_| (rng.unit() * 4.0 - 2.0) as f32),
+                            );
+                            dtype.encode(&values, dst);
+                        }
+                    }
+                    count += 1;
+                }
+            }
+            Some(format!(
+                "overwrote {count} loaded blocks with other KV (stale blocks)"
+            ))
+        }
+        FaultKind::DropChecksums | FaultKind::MalformChecksums => None,
+    }
+}
+
+fn corrupt_byte(
+    storage: &KvStorage,
+    groups: &[(&ScheduledGroup, Vec<usize>)],
+    num_tokens: usize,
+    rng: &mut SplitMix,
+) -> Option<String> {
+    let (g, layers) = &groups[rng.below(groups.len())];
+    let j = rng.below(g.block_ids.len());
+    let block = g.block_ids[j];
+    let pos = g.start + j;
+    let bs = g.block_size;
+    // A slot the checksums cover: tokens [first_token, num_tokens) of this block.
+    let lo = (pos * bs).max(g.first_token);
+    let hi = ((pos + 1) * bs).min(num_tokens);
+    if lo >= hi {
+        return None;
+    }
+    let slot = lo - pos * bs + rng.below(hi - lo);
+    let layer = layers[rng.below(layers.len())];
+    let layout = storage.layout(layer);
+    let head = rng.below(layout.num_kv_heads);
+    let byte = rng.below(layout.row_bytes());
+    let part = if rng.below(2) == 0 {
+        KvPart::K
+    } else {
+        KvPart::V
+    };
+    let bit = rng.below(8);
+    let offset = layout.row_offset(block, slot, head) - block * layout.block_bytes() + byte;
+    // SAFETY: the caller owns the block (see `inject`).
+    let bytes = unsafe { storage.block_bytes_mut(layer, part, block).ok()? };
+    bytes[offset] ^= 1 << bit;
+    Some(format!(
+        "flipped bit {bit} of {part:?} byte {byte} of head {head}, token {} in layer {} ({}), \
+         block {block} (position {pos}) of group {}",
+        pos * bs + slot,
+        layer,
+        storage.layer_name(layer),
+        g.group_id
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tandem_kv_cache::{CacheDtype, KvCacheConfig, KvCacheGroup, KvCacheSpec};
+    use tandem_kv_checksum::GroupBlocks;
+
+    fn storage() -> (KvStorage, KvCacheSpec) {
+        let spec = KvCacheSpec::FullAttention {
+            block_size: 4,
+            num_kv_heads: 2,
+            head_dim: 8,
+            dtype: CacheDtype::Bf16,
+        };
+        let cfg = KvCacheConfig {
+            num_blocks: 8,
+            groups: vec![KvCacheGroup {
+                group_id: 0,
+                spec,
+                layer_names: vec!["layers.0".into(), "layers.1".into()],
+            }],
+        };
+        (KvStorage::new(&cfg).unwrap(), spec)
+    }
+
+    fn snapshot(s: &KvStorage) -> Vec<Vec<u8>> {
+        (0..s.num_layers())
+            .flat_map(|l| {
+                let v = s.layer(l).unwrap();
+                [v.k.to_vec(), v.v.to_vec()]
+            })
+            .collect()
+    }
+
+    #[test]
+    fn each_block_fault_changes_only_the_loaded_blocks() {
+        for kind in [
+            FaultKind::CorruptByte,
+            FaultKind::SwapBlocks,
+            FaultKind::StaleBlocks,
+        ] {
+            let (s, spec) = storage();
+            // distinct content per block
+            for slot in 0..32 {
+                let k: Vec<f32> = (0..16).map(|i| (slot * 16 + i) as f32).collect();
+                for l in 0..2 {
+                    s.write_slots(l, &[slot], &k, &k).unwrap();
+                }
+            }
+            let before = snapshot(&s);
+            let table: Vec<Option<usize>> = vec![Some(6), Some(2), Some(5)];
+            // a load of tokens [4, 10): blocks 2 and 5
+            let req = ChecksumRequest::for_load(
+                4,
+                10,
+                &[GroupBlocks {
+                    group_id: 0,
+                    spec: &spec,
+                    first_position: 0,
+                    blocks: &table,
+                }],
+            );
+            let what = unsafe { inject(&s, &req, BlockFault { kind, seed: 3 }) };
+            assert!(what.is_some(), "{kind:?}");
+            let after = snapshot(&s);
+            let bb = s.layout(0).block_bytes();
+            let mut changed_blocks = std::collections::BTreeSet::new();
+            for (a, b) in before.iter().zip(&after) {
+                for blk in 0..8 {
+                    if a[blk * bb..(blk + 1) * bb] != b[blk * bb..(blk + 1) * bb] {
+                        changed_blocks.insert(blk);
+                    }
+                }
+            }
+            assert!(!changed_blocks.is_empty(), "{kind:?} changed nothing");
+            assert!(
+                changed_blocks.iter().all(|b| [2, 5].contains(b)),
+                "{kind:?} touched {changed_blocks:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_rng_is_deterministic_and_bounded() {
+        let mut a = SplitMix::new(5);
+        let mut b = SplitMix::new(5);
+        for _ in 0..100 {
+            assert_eq!(a.next_u64(), b.next_u64());
+            let u = a.unit();
+            b.unit();
+            assert!((0.0..1.0).contains(&u));
+            assert!(a.below(3) < 3);
+            b.below(3);
+        }
+    }
+}

@@ -1,0 +1,312 @@
+//! [`ChecksumWorker`]: the checksum side of one worker (one TP rank of one PP stage).
+//!
+//! Per step, around the connector and the forward:
+//! 1. [`ChecksumWorker::begin_step`], before the connector starts loads: forget ended requests,
+//!    keep the loads announced this step (so a load that finishes at once is still known);
+//! 2. [`ChecksumWorker::start_sends`], after the forward wrote the KV: hand the step's sends to
+//!    the side thread; the step never waits for it;
+//! 3. [`ChecksumWorker::end_step`], after the connector reported finished transfers: inject the
+//!    configured fault into each load reported finished (not failed), checksum it synchronously,
+//!    before any later forward can write its blocks, and collect the side thread's records.
+//!
+//! Invariants: every send job is answered by exactly one record, even if its computation
+//! panicked or the thread died (a record whose groups failed, which the scheduler treats as
+//! unverified); the side thread only reads blocks the scheduler holds for it; a load's job is
+//! dropped when its load failed or its request ended.
+
+use std::collections::HashMap;
+use std::panic::AssertUnwindSafe;
+use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use tandem_kv_cache::{KvCacheConfig, KvCacheGroup, KvStorage};
+use tandem_kv_checksum::{
+    ChecksumRequest, CpuBackend, GroupOutcome, GroupRecord, HeadPlacement, RequestRecord, Role,
+    WorkerChecksums, WorkerId,
+};
+use tandem_kv_connector::base::ConnectorOutput;
+
+use super::fault;
+use crate::metrics as m;
+use crate::scheduler_output::{ChecksumJob, ChecksumRecord, ChecksumSide, ChecksumWork};
+
+/// The checksum side of one worker. See the module docs.
+pub struct ChecksumWorker {
+    storage: Arc<KvStorage>,
+    setup: Arc<WorkerChecksums>,
+    /// Loads announced by the scheduler, until the connector reports them.
+    loads: HashMap<u64, ChecksumJob>,
+    /// Started with the first send.
+    side: Option<SideThread>,
+}
+
+impl std::fmt::Debug for ChecksumWorker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChecksumWorker")
+            .field("worker", &self.setup.worker())
+            .field("pending_loads", &self.loads.len())
+            .finish()
+    }
+}
+
+impl ChecksumWorker {
+    /// A worker over `storage` with its checksum setup (which layers, which global heads).
+    pub fn new(setup: WorkerChecksums, storage: Arc<KvStorage>) -> Self {
+        for (group, reason) in setup.skipped_groups() {
+            tracing::warn!(
+                worker = ?setup.worker(),
+                group,
+                reason = reason.as_str(),
+                "KV cache group cannot be checksummed on this worker ({reason:?}): its loads will \
+                 be unverified"
+            );
+        }
+        ChecksumWorker {
+            storage,
+            setup: Arc::new(setup),
+            loads: HashMap::new(),
+            side: None,
+        }
+    }
+
+    /// The only worker of an instance (TP 1, PP 1): every layer and head of `groups`.
+    pub fn single(storage: Arc<KvStorage>, groups: &[KvCacheGroup]) -> Self {
+        let config = KvCacheConfig {
+            num_blocks: 0,
+            groups: groups.to_vec(),
+        };
+        let setup = WorkerChecksums::from_storage(
+            WorkerId {
+                tp_rank: 0,
+                pp_rank: 0,
+            },
+            &storage,
+            &config,
+            |g| HeadPlacement::single(g.spec.num_kv_heads() as u32),
+        );
+        Self::new(setup, storage)
+    }
+
+    pub fn worker(&self) -> WorkerId {
+        self.setup.worker()
+    }
+
+    /// Loads announced and not reported yet.
+    pub fn num_pending_loads(&self) -> usize {
+        self.loads.len()
+    }
+
+    /// Before the connector starts this step's loads: drops the loads of ended requests and
+    /// keeps this step's.
+    pub fn begin_step(&mut self, work: &ChecksumWork, finished_request_ids: &[u64]) {
+        for id in finished_request_ids {
+            self.loads.remove(id);
+        }
+        for job in &work.recvs {
+            self.loads.insert(job.request_id, job.clone());
+        }
+    }
+
+    /// After the forward wrote the step's KV: queues this step's sends on the side thread.
+    pub fn start_sends(&mut self, work: &ChecksumWork) {
+        if work.sends.is_empty() {
+            return;
+        }
+        let side = self
+            .side
+            .get_or_insert_with(|| SideThread::spawn(self.storage.clone(), self.setup.clone()));
+        side.submit(work.sends.clone());
+    }
+
+    /// After the connector reported the step's finished transfers: checksums the loads it
+    /// reports finished (faults injected first) and returns them with every send record the
+    /// side thread has finished.
+    pub fn end_step(&mut self, connector: &ConnectorOutput) -> Vec<ChecksumRecord> {
+        let mut out = Vec::new();
+        let started = Instant::now();
+        let mut ids: Vec<u64> = connector
+            .finished_recving
+            .iter()
+            .copied()
+            .filter(|id| self.loads.contains_key(id))
+            .collect();
+        ids.sort_unstable();
+        for id in &ids {
+            let Some(job) = self.loads.remove(id) else {
+                continue;
+            };
+            if connector.failed_recving.contains_key(id) {
+                continue; // a failed load is not compared
+            }
+            if let Some(f) = job.fault {
+                // SAFETY: the connector reported the load finished, and the request runs again
+                // only after the scheduler's verdict: nothing else touches its blocks now.
+                if let Some(what) = unsafe { fault::inject(&self.storage, &job.blocks, f) } {
+                    tracing::warn!(
+                        request = id,
+                        worker = ?self.setup.worker(),
+                        fault = f.kind.as_str(),
+                        "KV fault injection: {what}"
+                    );
+                }
+            }
+            let backend = CpuBackend::new(self.storage.as_ref());
+            let record = self.setup.checksum(&backend, Role::Consumer, &job.blocks);
+            out.push(ChecksumRecord {
+                request_id: job.request_id,
+                generation: job.generation,
+                side: ChecksumSide::Recv,
+                record,
+            });
+        }
+        if !out.is_empty() {
+            metrics::histogram!(m::KV_CHECKSUM_COMPUTE_SECONDS)
+                .record(started.elapsed().as_secs_f64());
+        }
+        if let Some(side) = &mut self.side {
+            side.collect(&self.setup, &mut out);
+        }
+        out
+    }
+
+    /// Waits for every queued send and returns the records not collected yet (shutdown, tests).
+    pub fn finish_sends(&mut self) -> Vec<ChecksumRecord> {
+        let mut out = Vec::new();
+        if let Some(mut side) = self.side.take() {
+            side.jobs = None;
+            if let Some(h) = side.handle.take() {
+                let _ = h.join();
+            }
+            side.collect(&self.setup, &mut out);
+        }
+        out
+    }
+}
+
+/// A record whose every group failed: the scheduler treats it as unverified.
+fn failed_record(setup: &WorkerChecksums, request: &ChecksumRequest, why: &str) -> RequestRecord {
+    RequestRecord {
+        worker: setup.worker(),
+        groups: request
+            .groups
+            .iter()
+            .map(|g| GroupRecord {
+                group_id: g.group_id,
+                fingerprint: setup.fingerprint(g.group_id),
+                outcome: GroupOutcome::Failed(why.to_string()),
+            })
+            .collect(),
+    }
+}
+
+/// The thread that checksums sends off the step.
+struct SideThread {
+    jobs: Option<Sender<Vec<ChecksumJob>>>,
+    records: Receiver<ChecksumRecord>,
+    handle: Option<JoinHandle<()>>,
+    /// Jobs submitted and not answered yet, by (request, generation).
+    outstanding: HashMap<(u64, u64), ChecksumRequest>,
+}
+
+impl SideThread {
+    fn spawn(storage: Arc<KvStorage>, setup: Arc<WorkerChecksums>) -> SideThread {
+        let (jobs_tx, jobs_rx) = mpsc::channel::<Vec<ChecksumJob>>();
+        let (rec_tx, rec_rx) = mpsc::channel();
+        let worker = setup.worker();
+        let handle = std::thread::Builder::new()
+            .name(format!(
+                "tandem-kv-checksum-{}-{}",
+                worker.tp_rank, worker.pp_rank
+            ))
+            .spawn(move || run_sends(storage, setup, jobs_rx, rec_tx))
+            .map_err(|e| tracing::error!("cannot start the KV checksum thread: {e}"))
+            .ok();
+        SideThread {
+            jobs: handle.is_some().then_some(jobs_tx),
+            records: rec_rx,
+            handle,
+            outstanding: HashMap::new(),
+        }
+    }
+
+    fn submit(&mut self, jobs: Vec<ChecksumJob>) {
+        for j in &jobs {
+            self.outstanding
+                .insert((j.request_id, j.generation), j.blocks.clone());
+        }
+        if self.jobs.as_ref().is_none_or(|tx| tx.send(jobs).is_err()) {
+            // No thread: collect() answers the outstanding jobs as failed.
+            self.jobs = None;
+        }
+    }
+
+    fn collect(&mut self, setup: &WorkerChecksums, out: &mut Vec<ChecksumRecord>) {
+        loop {
+            match self.records.try_recv() {
+                Ok(r) => {
+                    self.outstanding.remove(&(r.request_id, r.generation));
+                    out.push(r);
+                }
+                Err(TryRecvError::Empty) if self.jobs.is_some() => return,
+                Err(_) => {
+                    // The thread is gone: every unanswered job fails (the scheduler sends no
+                    // checksums for it and releases its blocks).
+                    for ((request_id, generation), request) in self.outstanding.drain() {
+                        tracing::error!(
+                            request = request_id,
+                            "the KV checksum thread stopped before checksumming this request"
+                        );
+                        out.push(ChecksumRecord {
+                            request_id,
+                            generation,
+                            side: ChecksumSide::Send,
+                            record: failed_record(setup, &request, "the checksum thread stopped"),
+                        });
+                    }
+                    return;
+                }
+            }
+        }
+    }
+}
+
+impl Drop for SideThread {
+    fn drop(&mut self) {
+        self.jobs = None;
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+fn run_sends(
+    storage: Arc<KvStorage>,
+    setup: Arc<WorkerChecksums>,
+    jobs: Receiver<Vec<ChecksumJob>>,
+    records: Sender<ChecksumRecord>,
+) {
+    while let Ok(batch) = jobs.recv() {
+        let started = Instant::now();
+        for job in batch {
+            let backend = CpuBackend::new(storage.as_ref());
+            let record = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                setup.checksum(&backend, Role::Producer, &job.blocks)
+            }))
+            .unwrap_or_else(|_| {
+                failed_record(&setup, &job.blocks, "checksum computation panicked")
+            });
+            let r = ChecksumRecord {
+                request_id: job.request_id,
+                generation: job.generation,
+                side: ChecksumSide::Send,
+                record,
+            };
+            if records.send(r).is_err() {
+                return;
+            }
+        }
+        metrics::histogram!(m::KV_CHECKSUM_COMPUTE_SECONDS).record(started.elapsed().as_secs_f64());
+    }
+}

@@ -30,6 +30,9 @@ enum Command {
 
 /// How long the loop waits for commands while transfers are pending but nothing can run.
 const TRANSFER_POLL_INTERVAL: Duration = Duration::from_millis(1);
+/// The same while a finished request's answer waits for its KV checksums (they take well
+/// under a millisecond for typical prompts; the answer should not wait for the poll).
+const CHECKSUM_POLL_INTERVAL: Duration = Duration::from_micros(50);
 
 /// A cloneable handle to the engine thread.
 #[derive(Clone)]
@@ -260,7 +263,12 @@ fn run_loop(
                 *stats.lock() = scheduler.stats();
                 if !had_work {
                     // Only transfers are pending: wait a little for them or for a command.
-                    match rx.recv_timeout(TRANSFER_POLL_INTERVAL) {
+                    let wait = if scheduler.is_awaiting_checksums() {
+                        CHECKSUM_POLL_INTERVAL
+                    } else {
+                        TRANSFER_POLL_INTERVAL
+                    };
+                    match rx.recv_timeout(wait) {
                         Ok(cmd) => {
                             if !apply(&mut scheduler, cmd) {
                                 break;

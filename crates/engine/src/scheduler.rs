@@ -242,6 +242,11 @@ impl Scheduler {
     pub fn kv_checksums_enabled(&self) -> bool {
         self.checksums.is_some()
     }
+
+    /// Whether a finished request's answer waits for its KV checksums.
+    pub fn is_awaiting_checksums(&self) -> bool {
+        !self.awaiting_checksums.is_empty()
+    }
     pub fn kv(&self) -> &KvCacheManager {
         &self.kv
     }

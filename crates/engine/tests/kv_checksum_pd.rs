@@ -1587,3 +1587,75 @@ fn fault_injection_fires_with_its_probability_and_seed() {
     assert!(a.0 > 0 && a.1 > 0, "p = 0.5 over 12 loads: {a:?}");
     assert_eq!(run(5), a, "the same seed injects the same faults");
 }
+
+#[test]
+fn the_engine_loop_answers_a_producer_request_with_its_checksums() {
+    let fabric = SharedFabric::default();
+    let shards = Arc::new(Shards::new(1, 1, 16, 32));
+    let worker = ModelWorker::new(
+        Arc::new(TinyLm::new()),
+        shards.ranks[0].storage.clone(),
+        16,
+        Box::new(PdConnectorWorker {
+            engine_id: "p".into(),
+            fabric: fabric.clone(),
+            local: shards.clone(),
+            done: Vec::new(),
+        }),
+    )
+    .unwrap();
+    let mut sched = Scheduler::new(
+        SchedulerConfig::default(),
+        KvCacheManager::new(32, 16, true),
+        Box::new(PdConnector {
+            engine_id: "p".into(),
+            block_size: 16,
+            carries: true,
+            pending: Vec::new(),
+        }),
+        Arc::new(Chars),
+        vec![EOS],
+    );
+    let config = KvChecksumConfig {
+        enabled: true,
+        ..Default::default()
+    };
+    assert!(sched
+        .enable_kv_checksums(
+            &config,
+            &[group(16, HEADS, 0..LAYERS)],
+            WorkerGrid::default()
+        )
+        .unwrap());
+    let engine = tandem_engine::EngineHandle::spawn(sched, Box::new(worker), VOCAB).unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let fin = rt.block_on(async {
+        let mut stream = engine
+            .submit(NewRequest {
+                external_id: "e2e".into(),
+                prompt_token_ids: prompt(21, 40),
+                params: SamplingParams {
+                    temperature: 0.0,
+                    max_tokens: 1,
+                    ..Default::default()
+                },
+                kv_transfer_params: Some(json!({"do_remote_decode": true})),
+            })
+            .unwrap();
+        let mut last = None;
+        while let Some(ev) = tokio::time::timeout(Duration::from_secs(10), stream.next())
+            .await
+            .expect("the answer does not wait for the poll forever")
+        {
+            last = Some(ev);
+        }
+        last.unwrap()
+    });
+    assert_eq!(fin.finish, Some(FinishReason::Length));
+    let sent = checksums_of(&fin).expect("the answer carries the checksums");
+    assert!(tandem_kv_checksum::Payload::decode(sent).is_ok());
+    engine.shutdown();
+}

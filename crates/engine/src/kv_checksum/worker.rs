@@ -40,6 +40,8 @@ pub struct ChecksumWorker {
     loads: HashMap<u64, ChecksumJob>,
     /// Started with the first send.
     side: Option<SideThread>,
+    /// Whether the skipped groups were logged.
+    announced: bool,
 }
 
 impl std::fmt::Debug for ChecksumWorker {
@@ -54,20 +56,28 @@ impl std::fmt::Debug for ChecksumWorker {
 impl ChecksumWorker {
     /// A worker over `storage` with its checksum setup (which layers, which global heads).
     pub fn new(setup: WorkerChecksums, storage: Arc<KvStorage>) -> Self {
-        for (group, reason) in setup.skipped_groups() {
-            tracing::warn!(
-                worker = ?setup.worker(),
-                group,
-                reason = reason.as_str(),
-                "KV cache group cannot be checksummed on this worker ({reason:?}): its loads will \
-                 be unverified"
-            );
-        }
         ChecksumWorker {
             storage,
             setup: Arc::new(setup),
             loads: HashMap::new(),
             side: None,
+            announced: false,
+        }
+    }
+
+    /// Logs, once and only when checksums are in use, the groups this worker cannot checksum.
+    fn announce(&mut self) {
+        if std::mem::replace(&mut self.announced, true) {
+            return;
+        }
+        for (group, reason) in self.setup.skipped_groups() {
+            tracing::warn!(
+                worker = ?self.setup.worker(),
+                group,
+                reason = reason.as_str(),
+                "KV cache group cannot be checksummed on this worker ({reason:?}): it is left \
+                 out when both sides skip it, unverified otherwise"
+            );
         }
     }
 
@@ -103,6 +113,9 @@ impl ChecksumWorker {
     pub fn begin_step(&mut self, work: &ChecksumWork, finished_request_ids: &[u64]) {
         for id in finished_request_ids {
             self.loads.remove(id);
+        }
+        if !work.is_empty() {
+            self.announce();
         }
         for job in &work.recvs {
             self.loads.insert(job.request_id, job.clone());

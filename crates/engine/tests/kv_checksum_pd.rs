@@ -513,6 +513,8 @@ struct GridWorker {
     shards: Arc<Shards>,
     checksums: Vec<ChecksumWorker>,
     connector: PdConnectorWorker,
+    /// Wait for the step's sends and report them at once (deterministic tests).
+    flush_sends: bool,
 }
 
 impl Worker for GridWorker {
@@ -542,11 +544,16 @@ impl Worker for GridWorker {
             c.start_sends(&step.checksum_work);
         }
         let connector_output = self.connector.get_finished();
-        let checksum_records = self
+        let mut checksum_records: Vec<ChecksumRecord> = self
             .checksums
             .iter_mut()
             .flat_map(|c| c.end_step(&connector_output))
             .collect();
+        if self.flush_sends {
+            for c in &mut self.checksums {
+                checksum_records.extend(c.finish_sends());
+            }
+        }
         Ok(WorkerOutput {
             sampled: flat
                 .sampled_requests
@@ -612,6 +619,8 @@ struct Setup {
     model_worker: bool,
     max_num_batched_tokens: usize,
     prefix_caching: bool,
+    /// Grid worker only: report sends in the step that computes them.
+    flush_sends: bool,
 }
 
 impl Setup {
@@ -630,6 +639,7 @@ impl Setup {
             model_worker: true,
             max_num_batched_tokens: 2048,
             prefix_caching: true,
+            flush_sends: false,
         }
     }
     fn grid(mut self, tp: u32, pp: u32) -> Setup {
@@ -665,7 +675,6 @@ struct Instance {
     hold_sends: Arc<AtomicBool>,
     /// Send jobs issued per request.
     send_jobs: HashMap<u64, usize>,
-    pause_after_sends: Option<Duration>,
 }
 
 impl Instance {
@@ -701,6 +710,7 @@ impl Instance {
                 shards: shards.clone(),
                 checksums: shards.checksum_workers(),
                 connector,
+                flush_sends: setup.flush_sends,
             })
         };
         let hold_sends = Arc::new(AtomicBool::new(false));
@@ -751,7 +761,6 @@ impl Instance {
             next_id: 1,
             hold_sends,
             send_jobs: HashMap::new(),
-            pause_after_sends: None,
         }
     }
 
@@ -790,11 +799,6 @@ impl Instance {
         }
         if !out.has_model_work() {
             std::thread::sleep(Duration::from_micros(200));
-        }
-        if !out.checksum_work.sends.is_empty() {
-            if let Some(d) = self.pause_after_sends {
-                std::thread::sleep(d); // let the checksum thread finish before the next step
-            }
         }
     }
 
@@ -1486,6 +1490,9 @@ fn an_aborted_producer_sends_nothing_and_frees_after_its_checksum() {
 /// it is the first victim.
 fn crowded_producer(fabric: &SharedFabric, prefix_caching: bool, lagging: bool) -> Instance {
     let mut setup = Setup::new(4);
+    // the grid worker reporting sends at once: the producer is unpinned when blocks run out
+    setup.model_worker = false;
+    setup.flush_sends = !lagging;
     setup.num_blocks = 7;
     setup.max_num_batched_tokens = 16;
     setup.prefix_caching = prefix_caching;
@@ -1501,7 +1508,6 @@ fn a_producer_preempted_after_its_prompt_still_sends_matching_checksums() {
         let ((), m) = with_metrics(|| {
             let fabric = SharedFabric::default();
             let mut p = crowded_producer(&fabric, prefix_caching, false);
-            p.pause_after_sends = Some(Duration::from_millis(20));
             let mut c = Instance::new("c", &Setup::new(4), &fabric);
             let other = p.add(&prompt(18, 10), 12, None);
             let pr = prompt(19, 10);

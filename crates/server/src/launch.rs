@@ -7,7 +7,9 @@ use anyhow::{bail, Context};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use tandem_engine::detokenizer::Detokenize;
 use tandem_engine::model_worker::ModelWorker;
-use tandem_engine::{EngineHandle, KvLoadFailurePolicy, Scheduler, SchedulerConfig};
+use tandem_engine::{
+    EngineHandle, KvChecksumConfig, KvLoadFailurePolicy, Scheduler, SchedulerConfig, WorkerGrid,
+};
 use tandem_kv_cache::{CacheDtype, KvCacheConfig, KvCacheManager, KvStorage};
 use tandem_kv_connector::base::{KvConnectorScheduler, KvConnectorWorker, NoopConnector};
 use tandem_kv_connector::config::{KvTransferConfig, LoadFailurePolicy};
@@ -111,6 +113,7 @@ pub fn build_instance(
     let model: Arc<dyn tandem_models::CausalLm> = Arc::from(loaded.model);
     let info = model.info().clone();
     let groups = model.kv_cache_groups(args.block_size, cache_dtype);
+    let groups_for_checksums = groups.clone();
     let probe = KvCacheConfig {
         num_blocks: 1,
         groups: groups.clone(),
@@ -188,13 +191,26 @@ pub fn build_instance(
             args.max_num_batched_tokens
         );
     }
-    let scheduler = Scheduler::new(
+    let mut scheduler = Scheduler::new(
         sched_config,
         KvCacheManager::new(num_blocks, args.block_size, args.enable_prefix_caching),
         connector_sched,
         tok.clone(),
         tokenizer.stop_token_ids().to_vec(),
     );
+    if let Some(cfg) = &transfer {
+        let checksums =
+            KvChecksumConfig::from_transfer_config(cfg).context("--kv-transfer-config")?;
+        let on = scheduler
+            .enable_kv_checksums(&checksums, &groups_for_checksums, WorkerGrid::default())
+            .context("--kv-transfer-config")?;
+        tracing::info!(
+            enabled = on,
+            fail_closed = checksums.fail_closed,
+            "KV checksums {}",
+            if on { "on" } else { "off" }
+        );
+    }
     let worker = ModelWorker::new(model, storage, args.block_size, connector_worker)?;
     let engine = EngineHandle::spawn(scheduler, Box::new(worker), info.vocab_size)?;
     let state = AppState {

@@ -31,7 +31,7 @@ use tandem_kv_cache::BlockId;
 use super::protocol::{LeaseSpec, LoadKind, LoadSpec, PeerAddr, PullMetadata};
 use crate::base::{
     ConnectorMetadata, ConnectorOutput, ConnectorRequest, FinishKind, FinishedAction,
-    KvConnectorScheduler, MatchedTokens,
+    KvChecksumCarrier, KvConnectorScheduler, MatchedTokens,
 };
 use crate::config::KvRole;
 use crate::error::KvConnectorError;
@@ -150,6 +150,31 @@ impl NixlPullScheduler {
 }
 
 impl KvConnectorScheduler for NixlPullScheduler {
+    /// Pull carries checksums in `kv_transfer_params`: the producer's answer holds them and the
+    /// proxy forwards them to the consumer with the request.
+    fn carries_kv_checksums(&self) -> bool {
+        true
+    }
+
+    /// A producer request (`do_remote_decode`) on a producing role sends its checksums; a load
+    /// (`do_remote_prefill`) on a consuming role is verified against them. Anything else (a
+    /// request served locally) carries none.
+    fn kv_checksum_carrier(
+        &self,
+        request: &ConnectorRequest<'_>,
+        receiving: bool,
+    ) -> Option<KvChecksumCarrier> {
+        match (self.parse(request).ok()?, receiving) {
+            (TransferRequest::Producer, false) if self.config.role.is_producer() => {
+                Some(KvChecksumCarrier::KvTransferParams)
+            }
+            (TransferRequest::Consumer(_), true) if self.config.role.is_consumer() => {
+                Some(KvChecksumCarrier::KvTransferParams)
+            }
+            _ => None,
+        }
+    }
+
     fn get_num_new_matched_tokens(
         &mut self,
         request: &ConnectorRequest<'_>,

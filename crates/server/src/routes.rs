@@ -207,23 +207,43 @@ async fn completions(
     let echo_prompt = req
         .echo
         .then(|| prompt_text.unwrap_or_else(|| state.tokenizer.decode(&prompt_ids)));
-    let g = Generation {
-        endpoint: Endpoint::Completions,
-        request_id: request_id(&headers),
+    let g = generation(
+        Endpoint::Completions,
+        &headers,
+        req.common,
         prompt_ids,
         params,
         n,
-        stream: req.common.stream,
-        include_usage: req
-            .common
+        echo_prompt,
+    );
+    respond(state, g).await
+}
+
+/// The engine-ready form of a validated request, from the fields both endpoints share.
+fn generation(
+    endpoint: Endpoint,
+    headers: &HeaderMap,
+    common: CommonParams,
+    prompt_ids: Vec<u32>,
+    params: SamplingParams,
+    n: usize,
+    echo_prompt: Option<String>,
+) -> Generation {
+    Generation {
+        endpoint,
+        request_id: request_id(headers),
+        prompt_ids,
+        params,
+        n,
+        stream: common.stream,
+        include_usage: common
             .stream_options
             .as_ref()
             .is_some_and(|o| o.include_usage),
-        return_token_ids: req.common.return_token_ids,
+        return_token_ids: common.return_token_ids,
         echo_prompt,
-        kv_transfer_params: req.common.kv_transfer_params.filter(|v| !v.is_null()),
-    };
-    respond(state, g).await
+        kv_transfer_params: common.kv_transfer_params.filter(|v| !v.is_null()),
+    }
 }
 
 fn encode(state: &AppState, text: &str) -> Result<Vec<u32>, ApiError> {
@@ -297,21 +317,14 @@ async fn chat_completions(
     };
     let max_tokens = req.max_completion_tokens.or(req.common.max_tokens);
     let params = sampling_params(&state, &req.common, max_tokens, prompt_ids.len(), logprobs)?;
-    let g = Generation {
-        endpoint: Endpoint::Chat,
-        request_id: request_id(&headers),
+    let g = generation(
+        Endpoint::Chat,
+        &headers,
+        req.common,
         prompt_ids,
         params,
         n,
-        stream: req.common.stream,
-        include_usage: req
-            .common
-            .stream_options
-            .as_ref()
-            .is_some_and(|o| o.include_usage),
-        return_token_ids: req.common.return_token_ids,
-        echo_prompt: None,
-        kv_transfer_params: req.common.kv_transfer_params.filter(|v| !v.is_null()),
-    };
+        None,
+    );
     respond(state, g).await
 }

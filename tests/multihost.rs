@@ -43,11 +43,21 @@ impl Hosts {
             let outer = h.name(&format!("{role}o"));
             let inner = h.name(&format!("{role}i"));
             ip(&["netns", "add", &ns]);
-            ip(&["link", "add", &outer, "type", "veth", "peer", "name", &inner]);
+            ip(&[
+                "link", "add", &outer, "type", "veth", "peer", "name", &inner,
+            ]);
             ip(&["link", "set", &inner, "netns", &ns]);
             ip(&["link", "set", &outer, "master", &br]);
             ip(&["link", "set", &outer, "up"]);
-            ip(&["-n", &ns, "addr", "add", &format!("{addr}/24"), "dev", &inner]);
+            ip(&[
+                "-n",
+                &ns,
+                "addr",
+                "add",
+                &format!("{addr}/24"),
+                "dev",
+                &inner,
+            ]);
             ip(&["-n", &ns, "link", "set", &inner, "up"]);
             ip(&["-n", &ns, "link", "set", "lo", "up"]);
         }
@@ -67,12 +77,16 @@ impl Hosts {
 impl Drop for Hosts {
     fn drop(&mut self) {
         for role in ["p", "d"] {
-            let _ = Command::new("ip").args(["netns", "del", &self.ns(role)]).status();
+            let _ = Command::new("ip")
+                .args(["netns", "del", &self.ns(role)])
+                .status();
             let _ = Command::new("ip")
                 .args(["link", "del", &self.name(&format!("{role}o"))])
                 .status();
         }
-        let _ = Command::new("ip").args(["link", "del", &self.name("br")]).status();
+        let _ = Command::new("ip")
+            .args(["link", "del", &self.name("br")])
+            .status();
     }
 }
 
@@ -139,12 +153,28 @@ async fn pd_across_two_network_namespaces_matches_one_instance() {
         &[],
     );
     let single = Server::serve(&[]);
-    for p in ["The capital of France is", "Once upon a time, in a small village,", "Hi"] {
-        assert_eq!(greedy(&proxy.base, p).await, greedy(&single.base, p).await, "{p}");
+    for p in [
+        "The capital of France is",
+        "Once upon a time, in a small village,",
+        "Hi",
+    ] {
+        assert_eq!(
+            greedy(&proxy.base, p).await,
+            greedy(&single.base, p).await,
+            "{p}"
+        );
     }
-    let bytes = consumer.metric("tandem:kv_transfer_bytes_total", &[]).await.unwrap();
+    let bytes = consumer
+        .metric("tandem:kv_transfer_bytes_total", &[])
+        .await
+        .unwrap();
     assert!(bytes > 0.0, "the KV crossed the namespaces over NIXL");
-    assert_eq!(consumer.metric("tandem:kv_transfer_failures_total", &[]).await, Some(0.0));
+    assert_eq!(
+        consumer
+            .metric("tandem:kv_transfer_failures_total", &[])
+            .await,
+        Some(0.0)
+    );
     drop(proxy);
     drop(producer);
     drop(consumer);

@@ -12,15 +12,25 @@ use serde_json::{json, Value};
 const PRODUCER: &str = r#"{"kv_connector":"NixlConnector","kv_role":"kv_producer"}"#;
 
 fn consumer(policy: &str) -> String {
-    format!(r#"{{"kv_connector":"NixlConnector","kv_role":"kv_consumer","kv_load_failure_policy":"{policy}"}}"#)
+    format!(
+        r#"{{"kv_connector":"NixlConnector","kv_role":"kv_consumer","kv_load_failure_policy":"{policy}"}}"#
+    )
 }
 
 fn client() -> reqwest::Client {
-    reqwest::Client::builder().timeout(Duration::from_secs(300)).build().unwrap()
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(300))
+        .build()
+        .unwrap()
 }
 
 async fn post(base: &str, path: &str, body: &Value) -> (u16, Value) {
-    let r = client().post(format!("{base}{path}")).json(body).send().await.unwrap();
+    let r = client()
+        .post(format!("{base}{path}"))
+        .json(body)
+        .send()
+        .await
+        .unwrap();
     let st = r.status().as_u16();
     (st, r.json().await.unwrap_or(Value::Null))
 }
@@ -61,14 +71,22 @@ async fn stream_text(base: &str, prompt: &str, max_tokens: usize) -> (String, Ve
     }
     let (mut text, mut toks) = (String::new(), Vec::new());
     for line in body.lines() {
-        let Some(d) = line.strip_prefix("data: ") else { continue };
+        let Some(d) = line.strip_prefix("data: ") else {
+            continue;
+        };
         if d == "[DONE]" {
             break;
         }
         let v: Value = serde_json::from_str(d).unwrap();
         if let Some(c) = v["choices"].as_array().and_then(|c| c.first()) {
             text.push_str(c["text"].as_str().unwrap_or(""));
-            toks.extend(c["token_ids"].as_array().into_iter().flatten().map(|x| x.as_u64().unwrap()));
+            toks.extend(
+                c["token_ids"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(|x| x.as_u64().unwrap()),
+            );
         }
     }
     (text, toks)
@@ -80,7 +98,12 @@ struct Deployment {
     proxy: Server,
 }
 
-fn deploy(n_prefill: usize, n_decode: usize, prefill_extra: &[&str], decode_policy: &str) -> Deployment {
+fn deploy(
+    n_prefill: usize,
+    n_decode: usize,
+    prefill_extra: &[&str],
+    decode_policy: &str,
+) -> Deployment {
     common::require_model();
     let prefill: Vec<Server> = (0..n_prefill)
         .map(|_| {
@@ -102,7 +125,11 @@ fn deploy(n_prefill: usize, n_decode: usize, prefill_extra: &[&str], decode_poli
     }
     let refs: Vec<&str> = args.iter().map(String::as_str).collect();
     let proxy = Server::start("proxy", &refs, &[]);
-    Deployment { prefill, decode, proxy }
+    Deployment {
+        prefill,
+        decode,
+        proxy,
+    }
 }
 
 /// Waits until every instance holds no block and runs no request.
@@ -112,11 +139,18 @@ async fn assert_all_free(servers: &[&Server]) {
         loop {
             let free = s.metric("tandem:kv_cache_free_blocks", &[]).await.unwrap();
             let total = s.metric("tandem:kv_cache_total_blocks", &[]).await.unwrap();
-            let running = s.metric("tandem:num_requests_running", &[]).await.unwrap_or(0.0);
+            let running = s
+                .metric("tandem:num_requests_running", &[])
+                .await
+                .unwrap_or(0.0);
             if free == total && running == 0.0 {
                 break;
             }
-            assert!(start.elapsed() < Duration::from_secs(30), "{}: {free}/{total} blocks free", s.base);
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "{}: {free}/{total} blocks free",
+                s.base
+            );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
@@ -150,9 +184,17 @@ async fn pd_output_equals_single_instance_streaming_and_not() {
         assert_eq!(streamed, want, "streamed prompt {p:?}");
     }
     // every load moved bytes over NIXL, none failed
-    let bytes = d.decode[0].metric("tandem:kv_transfer_bytes_total", &[]).await.unwrap();
+    let bytes = d.decode[0]
+        .metric("tandem:kv_transfer_bytes_total", &[])
+        .await
+        .unwrap();
     assert!(bytes > 0.0);
-    assert_eq!(d.decode[0].metric("tandem:kv_transfer_failures_total", &[]).await, Some(0.0));
+    assert_eq!(
+        d.decode[0]
+            .metric("tandem:kv_transfer_failures_total", &[])
+            .await,
+        Some(0.0)
+    );
     assert_all_free(&[&d.prefill[0], &d.decode[0]]).await;
 }
 
@@ -163,7 +205,11 @@ async fn sixteen_concurrent_requests_and_chunked_prefill_and_decode_prefix_hit()
     let single = Server::serve(&[]);
     let long = "The river flows through the old town, past the market and the mill. ".repeat(8);
     let want_long = greedy_ids(&single.base, &long, 12).await;
-    assert_eq!(greedy_ids(&d.proxy.base, &long, 12).await, want_long, "chunked prefill");
+    assert_eq!(
+        greedy_ids(&d.proxy.base, &long, 12).await,
+        want_long,
+        "chunked prefill"
+    );
     // The same prompt again: the decode instance finds its prefix cached and loads only the rest.
     let (st, again) = post(
         &d.proxy.base,
@@ -173,7 +219,12 @@ async fn sixteen_concurrent_requests_and_chunked_prefill_and_decode_prefix_hit()
     .await;
     assert_eq!(st, 200);
     assert_eq!(ids(&again), want_long);
-    assert!(again["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap() >= 16);
+    assert!(
+        again["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+            >= 16
+    );
     // 16 concurrent requests.
     let mut want = Vec::new();
     for p in &PROMPTS[..4] {
@@ -208,7 +259,10 @@ async fn two_producers_one_consumer_and_one_producer_two_consumers() {
         }
         // every instance took part
         for s in d.prefill.iter().chain(&d.decode) {
-            let prompts = s.metric("tandem:prompt_tokens_total", &[]).await.unwrap_or(0.0);
+            let prompts = s
+                .metric("tandem:prompt_tokens_total", &[])
+                .await
+                .unwrap_or(0.0);
             assert!(prompts > 0.0, "{np}P{nd}D: {} served nothing", s.base);
         }
         let all: Vec<&Server> = d.prefill.iter().chain(&d.decode).collect();
@@ -250,14 +304,22 @@ async fn dead_producer_follows_the_failure_policy() {
         match policy {
             "fail" => {
                 assert!(st >= 500, "{st} {v}");
-                assert!(v["error"]["message"].as_str().unwrap().contains("KV load failed"), "{v}");
+                assert!(
+                    v["error"]["message"]
+                        .as_str()
+                        .unwrap()
+                        .contains("KV load failed"),
+                    "{v}"
+                );
             }
             _ => {
                 assert_eq!(st, 200, "{v}");
                 assert_eq!(ids(&v), want, "recomputed locally");
             }
         }
-        let fails = decode.metric("tandem:kv_load_failures_total", &[("policy", policy)]).await;
+        let fails = decode
+            .metric("tandem:kv_load_failures_total", &[("policy", policy)])
+            .await;
         assert_eq!(fails, Some(1.0));
         assert_all_free(&[&decode]).await;
     }
@@ -269,11 +331,20 @@ async fn dead_consumer_leaves_the_producer_to_free_at_lease_expiry() {
     let producer = Server::serve(&["--kv-transfer-config", cfg]);
     let _params = prefill_params(&producer, PROMPTS[6]).await;
     // nobody reads: the blocks stay held until the lease expires
-    let total = producer.metric("tandem:kv_cache_total_blocks", &[]).await.unwrap();
-    let held = producer.metric("tandem:kv_cache_free_blocks", &[]).await.unwrap();
+    let total = producer
+        .metric("tandem:kv_cache_total_blocks", &[])
+        .await
+        .unwrap();
+    let held = producer
+        .metric("tandem:kv_cache_free_blocks", &[])
+        .await
+        .unwrap();
     assert!(held < total, "blocks held for the consumer");
     assert_all_free(&[&producer]).await;
-    assert_eq!(producer.metric("tandem:kv_lease_expired_total", &[]).await, Some(1.0));
+    assert_eq!(
+        producer.metric("tandem:kv_lease_expired_total", &[]).await,
+        Some(1.0)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -289,7 +360,12 @@ async fn malformed_or_forged_transfer_params_are_rejected_without_leaks() {
     bad_port["remote_port"] = json!(70000);
     let mut not_list = good.clone();
     not_list["remote_block_ids"] = json!("all of them");
-    for params in [wrong_blocks, bad_port, not_list, json!({"do_remote_prefill": true})] {
+    for params in [
+        wrong_blocks,
+        bad_port,
+        not_list,
+        json!({"do_remote_prefill": true}),
+    ] {
         let (st, v) = post(
             &decode.base,
             "/v1/completions",

@@ -74,7 +74,11 @@ async fn one_request(
         .send()
         .await?;
     if !resp.status().is_success() {
-        bail!("HTTP {}: {}", resp.status(), resp.text().await.unwrap_or_default());
+        bail!(
+            "HTTP {}: {}",
+            resp.status(),
+            resp.text().await.unwrap_or_default()
+        );
     }
     let mut t = RequestTiming::default();
     let mut last = None::<Instant>;
@@ -119,7 +123,12 @@ fn mean(v: &[f64]) -> f64 {
 }
 
 async fn scrape(client: &reqwest::Client, url: &str, name: &str) -> anyhow::Result<f64> {
-    let text = client.get(format!("{url}/metrics")).send().await?.text().await?;
+    let text = client
+        .get(format!("{url}/metrics"))
+        .send()
+        .await?
+        .text()
+        .await?;
     Ok(text
         .lines()
         .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
@@ -180,9 +189,17 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         .build()?;
     let url = args.url.trim_end_matches('/').to_string();
     // Warm up (model pages, allocator) with one short request.
-    one_request(&client, &url, &BenchArgs { max_tokens: 2, ..args.clone() }, usize::MAX / 2)
-        .await
-        .context("warm-up request")?;
+    one_request(
+        &client,
+        &url,
+        &BenchArgs {
+            max_tokens: 2,
+            ..args.clone()
+        },
+        usize::MAX / 2,
+    )
+    .await
+    .context("warm-up request")?;
     let kv_before = match &args.kv_metrics_url {
         Some(u) => Some((
             scrape(&client, u, "tandem:kv_transfer_bytes_total").await?,
@@ -217,7 +234,10 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         let elapsed = start.elapsed().as_secs_f64();
         let timings: Vec<RequestTiming> = results.into_iter().collect::<Result<_, _>>()?;
         let mut ttft: Vec<f64> = timings.iter().map(|t| t.ttft).collect();
-        let mut itl: Vec<f64> = timings.iter().flat_map(|t| t.itls.iter().copied()).collect();
+        let mut itl: Vec<f64> = timings
+            .iter()
+            .flat_map(|t| t.itls.iter().copied())
+            .collect();
         ttft.sort_by(f64::total_cmp);
         itl.sort_by(f64::total_cmp);
         let tokens: usize = timings.iter().map(|t| t.tokens).sum();

@@ -71,7 +71,9 @@ impl ApiError {
                     "ServiceUnavailableError",
                     None,
                 ),
-                EngineError::KvLoadFailed(_) | EngineError::Execution(_) | EngineError::InvalidConfig(_) => (
+                EngineError::KvLoadFailed(_)
+                | EngineError::Execution(_)
+                | EngineError::InvalidConfig(_) => (
                     StatusCode::INTERNAL_SERVER_ERROR,
                     "InternalServerError",
                     None,

@@ -5,7 +5,7 @@
 //! (`ignore_eos`), and reports time to first token, inter-token latency and throughput. With
 //! `--kv-metrics-url` it also reads the decode instance's KV transfer counters and compares the
 //! bandwidth of transfers inside P/D requests with a single-threaded memcpy and a
-//! `process_vm_readv` of the same bytes, measured in the same run.
+//! `process_vm_readv` of the same bytes from memory (caches evicted first), in the same run.
 
 use std::time::{Duration, Instant};
 
@@ -136,12 +136,25 @@ async fn scrape(client: &reqwest::Client, url: &str, name: &str) -> anyhow::Resu
         .sum())
 }
 
-/// GB/s of a single-threaded copy of `bytes` bytes, best of a few runs.
+/// Writes over 64 MiB so that the next copy reads its source from memory, as a KV transfer
+/// does (the producer's blocks are not in the consumer's cache), not from a warm cache.
+fn evict_caches(scratch: &mut [u8]) {
+    for (i, b) in scratch.iter_mut().enumerate().step_by(64) {
+        *b = i as u8;
+    }
+    std::hint::black_box(&scratch);
+}
+
+const SCRATCH_BYTES: usize = 64 << 20;
+
+/// GB/s of a single-threaded copy of `bytes` bytes from memory, best of a few runs.
 fn memcpy_gbps(bytes: usize) -> f64 {
     let src = vec![1u8; bytes];
     let mut dst = vec![0u8; bytes];
+    let mut scratch = vec![0u8; SCRATCH_BYTES];
     let mut best = f64::MAX;
     for _ in 0..5 {
+        evict_caches(&mut scratch);
         let t = Instant::now();
         dst.copy_from_slice(std::hint::black_box(&src));
         std::hint::black_box(&dst);
@@ -150,14 +163,16 @@ fn memcpy_gbps(bytes: usize) -> f64 {
     bytes as f64 / best / 1e9
 }
 
-/// GB/s of `process_vm_readv` of `bytes` bytes from this process, in 64 KiB pieces.
+/// GB/s of `process_vm_readv` of `bytes` bytes from this process, in 64 KiB pieces, from memory.
 fn vm_readv_gbps(bytes: usize) -> f64 {
     let src = vec![1u8; bytes];
     let mut dst = vec![0u8; bytes];
+    let mut scratch = vec![0u8; SCRATCH_BYTES];
     let piece = 64 << 10;
     let pid = std::process::id() as libc::pid_t;
     let mut best = f64::MAX;
     for _ in 0..5 {
+        evict_caches(&mut scratch);
         let t = Instant::now();
         let mut off = 0;
         while off < bytes {

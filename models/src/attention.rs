@@ -8,16 +8,18 @@
 //! - Online softmax over one cache block at a time (running max and sum), so no buffer grows
 //!   with the context and no gather copy of the context is made. f32 caches are read in place;
 //!   f16/bf16 caches are decoded one block of one head at a time into a small scratch.
-//! - Work is split into (sequence, KV head, tile of queries) tasks run in parallel with rayon.
-//!   A query's result depends only on its own sequence's cache, never on the other tasks, so
-//!   batching does not change it.
+//! - Work is split into (sequence, tile of queries) tasks, all heads inside, run in parallel on
+//!   candle's thread pool (the one its matmuls use: a second pool on the same cores only adds
+//!   wake-ups and preemption). A query's result depends only on its own sequence's cache,
+//!   never on the other tasks, so batching does not change it.
 
-use rayon::prelude::*;
+use std::sync::OnceLock;
+
 use tandem_kv_cache::{CacheDtype, LayerKv};
 
 use crate::error::ModelError;
 use crate::model::SeqBatch;
-use crate::ops::{axpy, dot};
+use crate::ops::{axpy, dot, exp_fast, exp_sub_sum};
 
 /// Shape of one attention layer.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -101,37 +103,204 @@ pub fn paged_attention(
                 layout.num_blocks
             )));
         }
-        for g in 0..nkv {
-            let mut r = 0;
-            while r < seq.query_len {
-                let n = (seq.query_len - r).min(QUERY_TILE);
-                tasks.push((s, g, r, n));
-                r += n;
-            }
+        let mut r = 0;
+        while r < seq.query_len {
+            let n = (seq.query_len - r).min(QUERY_TILE);
+            tasks.push((s, r, n));
+            r += n;
         }
     }
-    let results: Vec<Vec<f32>> = tasks
-        .par_iter()
-        .map(|&(s, g, r0, n)| attend_tile(q, &seqs[s], g, r0, n, &cache, p))
-        .collect();
-    let mut out = vec![0f32; rows * row];
-    let group = nh / nkv;
-    for (&(s, g, r0, n), res) in tasks.iter().zip(&results) {
-        let seq = &seqs[s];
-        for i in 0..n {
-            let dst = (seq.query_start + r0 + i) * row + g * group * hd;
-            out[dst..dst + group * hd].copy_from_slice(&res[i * group * hd..(i + 1) * group * hd]);
+    // One pool for everything: candle's matmuls run on its barrier pool, so attention does
+    // too (a second pool on the same cores only adds wake-ups and preemption).
+    let slots: Vec<OnceLock<Vec<f32>>> = (0..tasks.len()).map(|_| OnceLock::new()).collect();
+    candle_core::utils::barrier_pool().execute_chunked(tasks.len(), |range| {
+        for t in range {
+            let (s, r0, n) = tasks[t];
+            let _ = slots[t].set(attend_tile(q, &seqs[s], r0, n, &cache, p));
         }
+    });
+    let mut out = vec![0f32; rows * row];
+    for (&(s, r0, n), res) in tasks.iter().zip(slots) {
+        let res = res.into_inner().expect("every task ran");
+        let dst = (seqs[s].query_start + r0) * row;
+        out[dst..dst + n * row].copy_from_slice(&res);
     }
     Ok(out)
 }
 
-/// Attention of queries `r0..r0+n` of `seq` for the query heads of KV head `g`.
-/// Returns `[n, group * head_dim]`.
+/// SIMD width the kernels below are written for (one AVX-512 register of f32).
+const L: usize = 16;
+
+/// Hints the CPU to bring `data` into cache (a no-op where there is no prefetch instruction).
+#[inline]
+fn prefetch(data: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    for line in data.chunks(16) {
+        // SAFETY: prefetching has no architectural effect; the pointer is in bounds.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                line.as_ptr() as *const i8
+            )
+        };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = data;
+}
+
+/// `sc[t] = q · k_t` for the `nt` keys `k_t = kb[t * stride..][..hd]`.
+fn scores_direct(q: &[f32], kb: &[f32], stride: usize, nt: usize, sc: &mut [f32]) {
+    let hd = q.len();
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
+    if hd.is_multiple_of(L) {
+        let mut t = 0;
+        while t < nt {
+            let k = (nt - t).min(L);
+            let mut out = [0f32; L];
+            simd::scores16(
+                q,
+                &kb[t * stride..(t + k - 1) * stride + hd],
+                stride,
+                k,
+                &mut out,
+            );
+            sc[t..t + k].copy_from_slice(&out[..k]);
+            t += k;
+        }
+        return;
+    }
+    for (t, x) in sc[..nt].iter_mut().enumerate() {
+        *x = dot(q, &kb[t * stride..t * stride + hd]);
+    }
+}
+
+/// AVX-512 kernels, compiled when the target has AVX-512 (the workspace builds with
+/// `target-cpu=native`); portable code covers every other target.
+#[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
+mod simd {
+    use std::arch::x86_64::*;
+
+    /// `out[t] = q · k_t` for `nt <= 16` keys `k_t = kb[t * stride..][..q.len()]`, with
+    /// `q.len()` a multiple of 16: one 16-lane partial sum per key, then the 16 partial sums
+    /// are reduced together by a transpose-and-add tree (15 adds instead of 16 horizontal sums).
+    pub(super) fn scores16(q: &[f32], kb: &[f32], stride: usize, nt: usize, out: &mut [f32; 16]) {
+        let hd = q.len();
+        assert!(nt <= 16 && hd.is_multiple_of(16));
+        assert!(nt == 0 || kb.len() >= (nt - 1) * stride + hd);
+        // SAFETY: every load reads 16 f32 at `q[c..c + 16]` or `kb[t * stride + c..][..16]`
+        // with `c + 16 <= hd`, `t < nt`; both ranges are in bounds by the asserts above. AVX-512F
+        // is enabled for this compilation (cfg above).
+        unsafe {
+            let mut v = [_mm512_setzero_ps(); 16];
+            for (t, vt) in v.iter_mut().enumerate().take(nt) {
+                let kp = kb.as_ptr().add(t * stride);
+                let mut a = _mm512_setzero_ps();
+                for c in (0..hd).step_by(16) {
+                    a = _mm512_fmadd_ps(
+                        _mm512_loadu_ps(q.as_ptr().add(c)),
+                        _mm512_loadu_ps(kp.add(c)),
+                        a,
+                    );
+                }
+                *vt = a;
+            }
+            // level 1: w_i quarters 0-1 hold key 2i (8 partials), quarters 2-3 key 2i+1
+            let mut w = [_mm512_setzero_ps(); 8];
+            for i in 0..8 {
+                let (a, b) = (v[2 * i], v[2 * i + 1]);
+                w[i] = _mm512_add_ps(
+                    _mm512_shuffle_f32x4::<0x44>(a, b),
+                    _mm512_shuffle_f32x4::<0xEE>(a, b),
+                );
+            }
+            // level 2: x_m quarter j holds key 4m + j (4 partials)
+            let mut x = [_mm512_setzero_ps(); 4];
+            for m in 0..4 {
+                let (a, b) = (w[2 * m], w[2 * m + 1]);
+                x[m] = _mm512_add_ps(
+                    _mm512_shuffle_f32x4::<0x88>(a, b),
+                    _mm512_shuffle_f32x4::<0xDD>(a, b),
+                );
+            }
+            // level 3: y0 quarter j = [j, j+4, j, j+4] (2 partials), y1 the same for j+8, j+12
+            let y0 = _mm512_add_ps(
+                _mm512_unpacklo_ps(x[0], x[1]),
+                _mm512_unpackhi_ps(x[0], x[1]),
+            );
+            let y1 = _mm512_add_ps(
+                _mm512_unpacklo_ps(x[2], x[3]),
+                _mm512_unpackhi_ps(x[2], x[3]),
+            );
+            // level 4: z lanes 4j.. = keys [j, j+8, j+4, j+12]
+            let z = _mm512_add_ps(_mm512_unpacklo_ps(y0, y1), _mm512_unpackhi_ps(y0, y1));
+            let idx = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 1, 5, 9, 13, 3, 7, 11, 15);
+            _mm512_storeu_ps(out.as_mut_ptr(), _mm512_permutexvar_ps(idx, z));
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        #[test]
+        fn scores16_equals_dots() {
+            let hd = 64;
+            let q: Vec<f32> = (0..hd).map(|i| (i as f32 * 0.3).sin()).collect();
+            let stride = 3 * hd;
+            let kb: Vec<f32> = (0..16 * stride).map(|i| (i as f32 * 0.7).cos()).collect();
+            for nt in [16, 5, 1] {
+                let mut out = [0f32; 16];
+                super::scores16(&q, &kb[..(nt - 1) * stride + hd], stride, nt, &mut out);
+                for t in 0..nt {
+                    let want: f32 = (0..hd).map(|d| q[d] * kb[t * stride + d]).sum();
+                    assert!((out[t] - want).abs() < 1e-4, "nt {nt} key {t}");
+                }
+            }
+        }
+    }
+}
+
+/// `acc += Σ_t w[t] · v_t` where `v_t = vb[t * stride..][..hd]`: 64 dimensions at a time held in
+/// four registers across all keys (independent FMA chains), then 16 at a time.
+fn accumulate_values(acc: &mut [f32], w: &[f32], vb: &[f32], stride: usize) {
+    let hd = acc.len();
+    let mut c = 0;
+    while c + 4 * L <= hd {
+        let mut a: [f32; 4 * L] = acc[c..c + 4 * L].try_into().unwrap();
+        for (t, &wt) in w.iter().enumerate() {
+            let o = t * stride + c;
+            let v: &[f32; 4 * L] = vb[o..o + 4 * L].try_into().unwrap();
+            for l in 0..4 * L {
+                a[l] += wt * v[l];
+            }
+        }
+        acc[c..c + 4 * L].copy_from_slice(&a);
+        c += 4 * L;
+    }
+    while c + L <= hd {
+        let mut a: [f32; L] = acc[c..c + L].try_into().unwrap();
+        for (t, &wt) in w.iter().enumerate() {
+            let o = t * stride + c;
+            let v: &[f32; L] = vb[o..o + L].try_into().unwrap();
+            for l in 0..L {
+                a[l] += wt * v[l];
+            }
+        }
+        acc[c..c + L].copy_from_slice(&a);
+        c += L;
+    }
+    if c < hd {
+        for (t, &wt) in w.iter().enumerate() {
+            let o = t * stride;
+            axpy(&mut acc[c..], wt, &vb[o + c..o + hd]);
+        }
+    }
+}
+
+/// Attention of queries `r0..r0+n` of `seq`, all heads. Returns `[n, num_heads * head_dim]`.
+///
+/// The cache is walked block by block; each block's rows of every KV head are used by that
+/// head's query vectors while they are hot, so the context is read from memory once.
 fn attend_tile(
     q: &[f32],
     seq: &SeqBatch,
-    g: usize,
     r0: usize,
     n: usize,
     cache: &LayerCache,
@@ -141,14 +310,25 @@ fn attend_tile(
     let group = nh / nkv;
     let layout = cache.view().layout;
     let bs = layout.block_size;
+    let kts = bs.div_ceil(L) * L; // row length of the scores buffer
     let first = seq.context_len - seq.query_len; // cache index of the sequence's first query
 
-    // Scaled queries, one vector per (query, head of the group).
-    let nq = n * group;
-    let mut qs = Vec::with_capacity(nq * hd);
+    // Scaled query vectors ordered [kv head g][query i][head h of the group], so that the
+    // vectors sharing a KV head are contiguous: vector index (g * n + i) * group + h.
+    let nq = n * nh;
+    let per_g = n * group;
+    let mut qs = vec![0f32; nq * hd];
     for i in 0..n {
-        let base = (seq.query_start + r0 + i) * nh * hd + g * group * hd;
-        qs.extend(q[base..base + group * hd].iter().map(|&x| x * p.scale));
+        let src = &q[(seq.query_start + r0 + i) * nh * hd..][..nh * hd];
+        for g in 0..nkv {
+            let dst = (g * n + i) * group * hd;
+            for (d, &x) in qs[dst..dst + group * hd]
+                .iter_mut()
+                .zip(&src[g * group * hd..(g + 1) * group * hd])
+            {
+                *d = x * p.scale;
+            }
+        }
     }
     // Visible cache range of each query: [lo, hi).
     let hi = |i: usize| first + r0 + i + 1;
@@ -158,77 +338,92 @@ fn attend_tile(
     let mut acc = vec![0f32; nq * hd];
     let mut max = vec![f32::NEG_INFINITY; nq];
     let mut sum = vec![0f32; nq];
-    let mut scores = vec![0f32; bs];
-    let mut k_scratch = vec![
-        0f32;
-        if matches!(cache, LayerCache::Bytes(_)) {
-            bs * hd
-        } else {
-            0
-        }
-    ];
+    // scores of the query vectors of one KV head for the keys of one block: [per_g, kts]
+    let mut scores = vec![0f32; per_g * kts];
+    let bytes = matches!(cache, LayerCache::Bytes(_));
+    let mut k_scratch = vec![0f32; if bytes { bs * hd } else { 0 }];
     let mut v_scratch = k_scratch.clone();
 
-    for b in t_lo / bs..t_hi.div_ceil(bs) {
+    let b_end = t_hi.div_ceil(bs);
+    for b in t_lo / bs..b_end {
         let block = seq.block_table[b] as usize;
         let (j0, j1) = (b * bs, ((b + 1) * bs).min(t_hi));
-        // Rows of this block for head g, as f32 slices.
-        let (kb, vb, stride): (&[f32], &[f32], usize) = match cache {
-            LayerCache::F32 { k, v, view } => {
-                // token-major rows of one head are `num_kv_heads * head_dim` apart
-                let start = view.layout.row_offset(block, 0, g) / 4;
-                let stride = row_stride_f32(view);
-                let len = (j1 - j0 - 1) * stride + hd;
-                (&k[start..start + len], &v[start..start + len], stride)
-            }
-            LayerCache::Bytes(view) => {
-                let dt: CacheDtype = view.layout.dtype;
-                for t in 0..j1 - j0 {
-                    let (kr, vr) = view.rows(block, t, g);
-                    dt.decode(kr, &mut k_scratch[t * hd..(t + 1) * hd]);
-                    dt.decode(vr, &mut v_scratch[t * hd..(t + 1) * hd]);
+        let nt = j1 - j0;
+        // The context is read once per step from DRAM: ask for the next block early.
+        if let (LayerCache::F32 { k, v, view }, true) = (cache, b + 1 < b_end) {
+            let next = seq.block_table[b + 1] as usize;
+            let bb = view.layout.block_bytes() / 4;
+            prefetch(&k[next * bb..(next + 1) * bb]);
+            prefetch(&v[next * bb..(next + 1) * bb]);
+        }
+        for g in 0..nkv {
+            // Rows of this block for head g, as f32 slices `stride` apart.
+            let (kb, vb, stride): (&[f32], &[f32], usize) = match cache {
+                LayerCache::F32 { k, v, view } => {
+                    let start = view.layout.row_offset(block, 0, g) / 4;
+                    let stride = row_stride_f32(view);
+                    let len = (nt - 1) * stride + hd;
+                    (&k[start..start + len], &v[start..start + len], stride)
                 }
-                (&k_scratch[..], &v_scratch[..], hd)
-            }
-        };
-        for i in 0..n {
-            let (a, z) = (lo(i).max(j0), hi(i).min(j1));
-            if a >= z {
-                continue;
-            }
-            for h in 0..group {
-                let qi = i * group + h;
-                let qv = &qs[qi * hd..(qi + 1) * hd];
-                let sc = &mut scores[..z - a];
-                let mut m = max[qi];
-                for (t, s) in (a..z).zip(sc.iter_mut()) {
-                    let off = (t - j0) * stride;
-                    *s = dot(qv, &kb[off..off + hd]);
-                    m = m.max(*s);
+                LayerCache::Bytes(view) => {
+                    let dt: CacheDtype = view.layout.dtype;
+                    for t in 0..nt {
+                        let (kr, vr) = view.rows(block, t, g);
+                        dt.decode(kr, &mut k_scratch[t * hd..(t + 1) * hd]);
+                        dt.decode(vr, &mut v_scratch[t * hd..(t + 1) * hd]);
+                    }
+                    (&k_scratch[..], &v_scratch[..], hd)
                 }
-                let acc_q = &mut acc[qi * hd..(qi + 1) * hd];
-                if m > max[qi] {
-                    let c = (max[qi] - m).exp(); // 0 on the first block
-                    sum[qi] *= c;
-                    acc_q.iter_mut().for_each(|x| *x *= c);
-                    max[qi] = m;
+            };
+            let qg = &qs[g * per_g * hd..(g + 1) * per_g * hd];
+            // Scores of the group's query vectors against all keys of the block (masking below).
+            // One kernel for every query, whatever the batch: the summation order, hence the
+            // result, does not depend on how many queries share the task.
+            for (qv, sc) in qg.chunks_exact(hd).zip(scores.chunks_exact_mut(kts)) {
+                scores_direct(qv, kb, stride, nt, sc);
+            }
+            // Online softmax update and weighted sum of V, per query vector.
+            for i in 0..n {
+                let (a, z) = (lo(i).max(j0), hi(i).min(j1));
+                if a >= z {
+                    continue;
                 }
-                for (t, &s) in (a..z).zip(sc.iter()) {
-                    let e = (s - m).exp();
-                    sum[qi] += e;
-                    let off = (t - j0) * stride;
-                    axpy(acc_q, e, &vb[off..off + hd]);
+                for h in 0..group {
+                    let li = i * group + h; // within the group's vectors
+                    let qi = g * per_g + li;
+                    let sc = &mut scores[li * kts + (a - j0)..li * kts + (z - j0)];
+                    let m_blk = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    let acc_q = &mut acc[qi * hd..(qi + 1) * hd];
+                    if m_blk > max[qi] {
+                        let c = exp_fast(max[qi] - m_blk); // 0 on the first block
+                        sum[qi] *= c;
+                        acc_q.iter_mut().for_each(|x| *x *= c);
+                        max[qi] = m_blk;
+                    }
+                    sum[qi] += exp_sub_sum(sc, max[qi]);
+                    accumulate_values(acc_q, sc, &vb[(a - j0) * stride..], stride);
                 }
             }
         }
     }
-    for qi in 0..nq {
-        let inv = 1.0 / sum[qi];
-        acc[qi * hd..(qi + 1) * hd]
-            .iter_mut()
-            .for_each(|x| *x *= inv);
+    // Normalize and reorder to [query i][head].
+    let mut out = vec![0f32; n * nh * hd];
+    for g in 0..nkv {
+        for i in 0..n {
+            for h in 0..group {
+                let qi = (g * n + i) * group + h;
+                let inv = 1.0 / sum[qi];
+                let dst = (i * nh + g * group + h) * hd;
+                for (o, &a) in out[dst..dst + hd]
+                    .iter_mut()
+                    .zip(&acc[qi * hd..(qi + 1) * hd])
+                {
+                    *o = a * inv;
+                }
+            }
+        }
     }
-    acc
+    out
 }
 
 /// Distance in f32 elements between the rows of consecutive tokens of one head.

@@ -36,7 +36,11 @@ pub fn silu_mul(gate_up: &[f32], n: usize) -> Vec<f32> {
     let mut out = Vec::with_capacity(gate_up.len() / 2);
     for row in gate_up.chunks_exact(2 * n) {
         let (g, u) = row.split_at(n);
-        out.extend(g.iter().zip(u).map(|(&g, &u)| (g / (1.0 + (-g).exp())) * u));
+        out.extend(
+            g.iter()
+                .zip(u)
+                .map(|(&g, &u)| (g / (1.0 + exp_fast(-g))) * u),
+        );
     }
     out
 }
@@ -48,42 +52,185 @@ pub fn add_assign(x: &mut [f32], y: &[f32]) {
     }
 }
 
+/// Width of the blocks [`rotate_blocks`] rotates.
+pub const HADAMARD_BLOCK: usize = 256;
+
+/// Fixed pseudo-random signs (`D`), one per position of a block.
+fn block_signs() -> &'static [f32; HADAMARD_BLOCK] {
+    static SIGNS: std::sync::OnceLock<[f32; HADAMARD_BLOCK]> = std::sync::OnceLock::new();
+    SIGNS.get_or_init(|| {
+        let mut s = [0f32; HADAMARD_BLOCK];
+        let mut state = 0x9E37_79B9_7F4A_7C15u64;
+        for v in s.iter_mut() {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            *v = if state >> 63 == 0 { 1.0 } else { -1.0 };
+        }
+        s
+    })
+}
+
+/// The 16×16 Sylvester Hadamard matrix (entries ±1): `H16[j][l] = (-1)^popcount(j & l)`.
+fn h16() -> &'static [[f32; 16]; 16] {
+    static H: std::sync::OnceLock<[[f32; 16]; 16]> = std::sync::OnceLock::new();
+    H.get_or_init(|| {
+        let mut h = [[0f32; 16]; 16];
+        for (j, row) in h.iter_mut().enumerate() {
+            for (l, v) in row.iter_mut().enumerate() {
+                *v = if (j & l).count_ones() % 2 == 0 {
+                    1.0
+                } else {
+                    -1.0
+                };
+            }
+        }
+        h
+    })
+}
+
+/// Multiplies every 256-wide block of `x` by the orthonormal Sylvester Hadamard matrix
+/// (`H = Hᵀ = H⁻¹`, entries `±1/16`), in place. `H256 = H16 ⊗ H16`: each 16-wide chunk is
+/// multiplied by `H16` (a small vectorized matmul), then the fast Walsh–Hadamard butterflies
+/// combine whole chunks.
+fn hadamard_blocks(x: &mut [f32]) {
+    let scale = 1.0 / (HADAMARD_BLOCK as f32).sqrt();
+    let h = h16();
+    for b in x.chunks_exact_mut(HADAMARD_BLOCK) {
+        for c in b.chunks_exact_mut(16) {
+            let src: [f32; 16] = (&*c).try_into().unwrap();
+            let mut out = [0f32; 16];
+            for (s, row) in src.iter().zip(h) {
+                for l in 0..16 {
+                    out[l] += s * row[l];
+                }
+            }
+            c.copy_from_slice(&out);
+        }
+        let mut w = 16;
+        while w < HADAMARD_BLOCK {
+            for i in (0..HADAMARD_BLOCK).step_by(2 * w) {
+                let (lo, hi) = b[i..i + 2 * w].split_at_mut(w);
+                for (a, c) in lo.iter_mut().zip(hi.iter_mut()) {
+                    let (u, v) = (*a, *c);
+                    *a = u + v;
+                    *c = u - v;
+                }
+            }
+            w *= 2;
+        }
+        b.iter_mut().for_each(|v| *v *= scale);
+    }
+}
+
+/// Rotates every 256-wide block of `x` by the orthogonal `R = D·H` (random signs, then a
+/// Hadamard transform): `(x R)·(w R) = x·w`, while `x R` has its outliers spread evenly over
+/// the block, which is what per-256 activation quantization needs. `x.len()` must be a
+/// multiple of 256.
+pub fn rotate_blocks(x: &mut [f32]) {
+    debug_assert_eq!(x.len() % HADAMARD_BLOCK, 0);
+    let d = block_signs();
+    for b in x.chunks_exact_mut(HADAMARD_BLOCK) {
+        b.iter_mut().zip(d).for_each(|(v, s)| *v *= s);
+    }
+    hadamard_blocks(x);
+}
+
+/// The inverse of [`rotate_blocks`] (`Rᵀ = H·D`).
+pub fn unrotate_blocks(x: &mut [f32]) {
+    debug_assert_eq!(x.len() % HADAMARD_BLOCK, 0);
+    hadamard_blocks(x);
+    let d = block_signs();
+    for b in x.chunks_exact_mut(HADAMARD_BLOCK) {
+        b.iter_mut().zip(d).for_each(|(v, s)| *v *= s);
+    }
+}
+
 const LANES: usize = 16;
 
-/// Dot product with independent lanes (vectorizes; the summation order is fixed).
+/// Dot product with independent lanes (four 16-lane accumulators, so it vectorizes into
+/// independent FMA chains; the summation order is fixed).
 #[inline]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
-    let mut acc = [0f32; LANES];
-    let ca = a.chunks_exact(LANES);
-    let cb = b.chunks_exact(LANES);
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for l in 0..LANES {
-            acc[l] += x[l] * y[l];
+    let n = a.len().min(b.len());
+    let mut acc = [[0f32; LANES]; 4];
+    let mut i = 0;
+    while i + 4 * LANES <= n {
+        for (j, aj) in acc.iter_mut().enumerate() {
+            let o = i + j * LANES;
+            let x: &[f32; LANES] = a[o..o + LANES].try_into().unwrap();
+            let y: &[f32; LANES] = b[o..o + LANES].try_into().unwrap();
+            for l in 0..LANES {
+                aj[l] += x[l] * y[l];
+            }
         }
+        i += 4 * LANES;
+    }
+    while i + LANES <= n {
+        let x: &[f32; LANES] = a[i..i + LANES].try_into().unwrap();
+        let y: &[f32; LANES] = b[i..i + LANES].try_into().unwrap();
+        for l in 0..LANES {
+            acc[0][l] += x[l] * y[l];
+        }
+        i += LANES;
     }
     let mut tail = 0f32;
-    for (x, y) in ra.iter().zip(rb) {
+    for (x, y) in a[i..n].iter().zip(&b[i..n]) {
         tail += x * y;
+    }
+    let mut v = [0f32; LANES];
+    for l in 0..LANES {
+        v[l] = (acc[0][l] + acc[1][l]) + (acc[2][l] + acc[3][l]);
     }
     // pairwise reduction of the lanes
     let mut w = LANES;
     while w > 1 {
         w /= 2;
         for l in 0..w {
-            acc[l] += acc[l + w];
+            v[l] += v[l + w];
         }
     }
-    acc[0] + tail
+    v[0] + tail
 }
 
-/// `y = y * scale + a * x`.
+/// `e^x` in f32, branch-free so that loops over it vectorize (Cephes `expf`: range reduction
+/// by `ln 2`, degree-6 polynomial; relative error below 2e-7). Inputs below -87.3 give
+/// ~1e-38 instead of smaller values or 0.
+#[inline(always)]
+pub fn exp_fast(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const C1: f32 = 0.693_359_4;
+    const C2: f32 = -2.121_944_4e-4;
+    let x = x.clamp(-87.33, 88.72);
+    let fx = (x * LOG2E + 0.5).floor();
+    let r = x - fx * C1 - fx * C2;
+    let z = r * r;
+    let mut y = 1.987_569_1e-4f32;
+    y = y * r + 1.398_199_9e-3;
+    y = y * r + 8.333_452e-3;
+    y = y * r + 4.166_579_6e-2;
+    y = y * r + 1.666_666_5e-1;
+    y = y * r + 0.5;
+    y = y * z + r + 1.0;
+    y * f32::from_bits(((fx as i32 + 127) as u32) << 23)
+}
+
+/// `x = e^(x - m)` for every element; returns the sum of the results.
 #[inline]
-pub fn scale_axpy(y: &mut [f32], scale: f32, a: f32, x: &[f32]) {
-    for (yv, &xv) in y.iter_mut().zip(x) {
-        *yv = *yv * scale + a * xv;
+pub fn exp_sub_sum(xs: &mut [f32], m: f32) -> f32 {
+    for x in xs.iter_mut() {
+        *x = exp_fast(*x - m);
     }
+    let mut acc = [0f32; LANES];
+    let chunks = xs.chunks_exact(LANES);
+    let tail: f32 = chunks.remainder().iter().sum();
+    for c in chunks {
+        for l in 0..LANES {
+            acc[l] += c[l];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
 }
 
 /// `y += a * x`.
@@ -333,10 +480,65 @@ mod tests {
     }
 
     #[test]
+    fn block_rotation_is_orthogonal() {
+        let mut s = 5;
+        let x: Vec<f32> = (0..512).map(|_| lcg(&mut s)).collect();
+        let w: Vec<f32> = (0..512).map(|_| lcg(&mut s)).collect();
+        let (mut xr, mut wr) = (x.clone(), w.clone());
+        rotate_blocks(&mut xr);
+        rotate_blocks(&mut wr);
+        // dot products (and norms) are preserved per block, and unrotate inverts rotate
+        for i in 0..2 {
+            let r = i * 256..(i + 1) * 256;
+            assert!((dot(&x[r.clone()], &w[r.clone()]) - dot(&xr[r.clone()], &wr[r])).abs() < 1e-4);
+        }
+        unrotate_blocks(&mut xr);
+        for (a, b) in x.iter().zip(&xr) {
+            assert!((a - b).abs() < 1e-5);
+        }
+        // the fast transform equals the definition H[j][l] = (-1)^popcount(j & l) / 16
+        let mut e = x[..256].to_vec();
+        hadamard_blocks(&mut e);
+        for (l, &got) in e.iter().enumerate() {
+            let want: f64 = (0..256)
+                .map(|j: usize| {
+                    let sgn = if (j & l).count_ones().is_multiple_of(2) {
+                        1.0
+                    } else {
+                        -1.0
+                    };
+                    sgn * x[j] as f64 / 16.0
+                })
+                .sum();
+            assert!((got as f64 - want).abs() < 1e-5, "{l}");
+        }
+    }
+
+    #[test]
+    fn exp_fast_is_accurate() {
+        let mut worst = 0f64;
+        let mut x = -87.0f32;
+        while x < 88.0 {
+            let want = (x as f64).exp();
+            worst = worst.max(((exp_fast(x) as f64 - want) / want).abs());
+            x += 0.0137;
+        }
+        assert!(worst < 2e-7, "{worst}");
+        assert_eq!(exp_fast(0.0), 1.0);
+        assert!(exp_fast(-1000.0) < 1e-37);
+        let mut v = [0.0f32, -1.0, -2.0];
+        let sum = exp_sub_sum(&mut v, 0.0);
+        assert!((sum - (1.0 + (-1f32).exp() + (-2f32).exp())).abs() < 1e-6);
+    }
+
+    #[test]
     fn silu_mul_matches_definition() {
         let gu = [1.0f32, -2.0, 3.0, 4.0];
         let out = silu_mul(&gu, 2);
         let silu = |x: f32| x / (1.0 + (-x).exp());
-        assert_eq!(out, vec![silu(1.0) * 3.0, silu(-2.0) * 4.0]);
+        let want = [silu(1.0) * 3.0, silu(-2.0) * 4.0];
+        for (o, w) in out.iter().zip(want) {
+            assert!((o - w).abs() <= 1e-6 * w.abs(), "{o} vs {w}");
+        }
     }
 }

@@ -4,15 +4,20 @@
 //! storage type; row operations (permute, concatenate) work on it before it becomes a [`Linear`]
 //! in the chosen [`WeightMode`]:
 //! - `F32`: dequantized to f32 (the accuracy mode);
-//! - `Q8_0`: re-quantized to Q8_0; when `cols` is not a multiple of 256 the matrix is zero-padded
-//!   to the next multiple (and inputs are padded likewise), which lets candle use its
-//!   AVX512-VNNI tiled kernels: ~10x faster than the unpadded Q8_0 kernel for batched rows
-//!   (see BENCHMARKS.md); the padding adds zeros only, so results are those of the unpadded
-//!   matrix with activations quantized per 256 values;
+//! - `Q8_0` (the default): re-quantized to Q8_0 for candle's AVX512-VNNI tiled kernels, which
+//!   need `cols % 256 == 0` (SmolLM2's 576 is not): the matrix is zero-padded to the next
+//!   multiple of 256 (~10x faster than candle's untiled Q8_0 kernel for batched rows, see
+//!   BENCHMARKS.md). Those kernels quantize activations per 256 values, which outlier channels
+//!   make coarse; so the input dimension is rotated by a fixed orthogonal `R` (random signs, then
+//!   a Hadamard transform, per 256-block: [`crate::ops::rotate_blocks`]): the weights are stored
+//!   as `W R`, inputs are rotated likewise, `(x R)(W R)ᵀ = x Wᵀ`. The rotation spreads outliers
+//!   over the block; it raised top-1 agreement with the f32 reference from 91% to 97%
+//!   (models/tests/weight_modes.rs);
 //! - `Native`: kept in the file's quantized type (smallest, but Q4_1/Q5_x kernels are scalar).
 //!
-//! Invariant: a `Linear` computes every input row independently of the other rows, so a
-//! token's output does not depend on what else is in the batch.
+//! Invariant: a `Linear` computes every input row independently of the other rows (padding,
+//! rotation and activation quantization are per row), so a token's output does not depend on
+//! what else is in the batch.
 
 use std::borrow::Cow;
 use std::sync::Arc;
@@ -21,6 +26,7 @@ use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{Device, Module, Tensor};
 
 use crate::error::ModelError;
+use crate::ops::{rotate_blocks, unrotate_blocks, HADAMARD_BLOCK};
 
 /// How weights are held in memory. See the module docs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -204,9 +210,10 @@ impl HostMatrix {
                 };
                 Weight::F32(Tensor::from_vec(v, (rows, cols), &Device::Cpu)?)
             }
-            (WeightMode::Native, MatData::Quant { dtype, bytes }) => {
-                Weight::Quant(Arc::new(quant_tensor(dtype, &bytes, rows, cols)?))
-            }
+            (WeightMode::Native, MatData::Quant { dtype, bytes }) => Weight::Quant {
+                q: Arc::new(quant_tensor(dtype, &bytes, rows, cols)?),
+                rotated: false,
+            },
             (WeightMode::Q8_0, data) => {
                 let v = match data {
                     MatData::F32(v) => v,
@@ -225,8 +232,17 @@ impl HostMatrix {
                     }
                     p
                 };
+                // Rotate the input dimension (see the module docs) where the tiled kernels run.
+                let rotate = padded.is_multiple_of(HADAMARD_BLOCK);
+                let mut v = v;
+                if rotate {
+                    rotate_blocks(&mut v);
+                }
                 let t = Tensor::from_vec(v, (rows, padded), &Device::Cpu)?;
-                Weight::Quant(Arc::new(QTensor::quantize(&t, GgmlDType::Q8_0)?))
+                Weight::Quant {
+                    q: Arc::new(QTensor::quantize(&t, GgmlDType::Q8_0)?),
+                    rotated: rotate,
+                }
             }
         };
         Ok(Linear {
@@ -261,8 +277,9 @@ fn quant_tensor(
 enum Weight {
     /// `[out, in]` f32.
     F32(Tensor),
-    /// `[out, in_padded]` quantized.
-    Quant(Arc<QTensor>),
+    /// `[out, in_padded]` quantized; `rotated`: the input dimension is multiplied by a
+    /// block-diagonal Hadamard matrix (inputs are rotated likewise before the matmul).
+    Quant { q: Arc<QTensor>, rotated: bool },
 }
 
 /// `y = x Wᵀ` for a weight `W` of `[out_dim, in_dim]`.
@@ -278,7 +295,7 @@ impl Linear {
     fn stored_in_dim(&self) -> usize {
         match &self.weight {
             Weight::F32(_) => self.in_dim,
-            Weight::Quant(q) => q.shape().dims()[1],
+            Weight::Quant { q, .. } => q.shape().dims()[1],
         }
     }
 
@@ -286,7 +303,7 @@ impl Linear {
     pub fn bytes(&self) -> usize {
         match &self.weight {
             Weight::F32(t) => t.elem_count() * 4,
-            Weight::Quant(q) => q.storage_size_in_bytes(),
+            Weight::Quant { q, .. } => q.storage_size_in_bytes(),
         }
     }
 
@@ -297,7 +314,7 @@ impl Linear {
             return Ok(Vec::new());
         }
         let k = self.stored_in_dim();
-        let input = if k == self.in_dim {
+        let mut input = if k == self.in_dim {
             x.to_vec()
         } else {
             let mut p = vec![0f32; m * k];
@@ -306,10 +323,15 @@ impl Linear {
             }
             p
         };
-        let xt = Tensor::from_vec(input, (m, k), &Device::Cpu)?;
         let y = match &self.weight {
-            Weight::F32(w) => xt.matmul(&w.t()?)?,
-            Weight::Quant(q) => QMatMul::QTensor(q.clone()).forward(&xt)?,
+            Weight::F32(w) => Tensor::from_vec(input, (m, k), &Device::Cpu)?.matmul(&w.t()?)?,
+            Weight::Quant { q, rotated } => {
+                if *rotated {
+                    rotate_blocks(&mut input);
+                }
+                let xt = Tensor::from_vec(input, (m, k), &Device::Cpu)?;
+                QMatMul::QTensor(q.clone()).forward(&xt)?
+            }
         };
         Ok(y.flatten_all()?.to_vec1()?)
     }
@@ -324,17 +346,21 @@ impl Linear {
             )));
         }
         let idx = Tensor::new(ids, &Device::Cpu)?;
-        let rows = match &self.weight {
-            Weight::F32(w) => w.index_select(&idx, 0)?,
-            Weight::Quant(q) => q.embedding(&idx)?,
+        let (rows, rotated) = match &self.weight {
+            Weight::F32(w) => (w.index_select(&idx, 0)?, false),
+            Weight::Quant { q, rotated } => (q.embedding(&idx)?, *rotated),
         };
         let k = self.stored_in_dim();
-        let rows = if k == self.in_dim {
-            rows
-        } else {
-            rows.narrow(1, 0, self.in_dim)?
-        };
-        Ok(rows.flatten_all()?.to_vec1()?)
+        let mut v: Vec<f32> = rows.flatten_all()?.to_vec1()?;
+        if rotated {
+            unrotate_blocks(&mut v);
+        }
+        if k == self.in_dim {
+            return Ok(v);
+        }
+        Ok(v.chunks_exact(k)
+            .flat_map(|r| r[..self.in_dim].iter().copied())
+            .collect())
     }
 }
 
@@ -368,7 +394,8 @@ mod tests {
         for mode in [WeightMode::F32, WeightMode::Q8_0, WeightMode::Native] {
             let lin = m.clone().into_linear(mode).unwrap();
             let got = lin.forward(&x, 3).unwrap();
-            let tol = if mode == WeightMode::Q8_0 { 0.1 } else { 1e-4 };
+            // Q8_0: weights and (rotated, per-256) activations quantized to 8 bits
+            let tol = if mode == WeightMode::Q8_0 { 0.15 } else { 1e-4 };
             for (g, w) in got.iter().zip(&want) {
                 assert!((g - w).abs() < tol, "{mode}: {g} vs {w}");
             }
@@ -387,7 +414,7 @@ mod tests {
             assert_eq!(rows.len(), 2 * 64);
             let w = m.to_f32().unwrap();
             for (g, e) in rows[..64].iter().zip(&w[3 * 64..4 * 64]) {
-                assert!((g - e).abs() < 0.01);
+                assert!((g - e).abs() < 0.02, "{mode}: {g} vs {e}");
             }
             assert!(lin.rows(&[32]).is_err());
         }
@@ -416,17 +443,39 @@ mod native_tests {
     /// Matrices kept in a GGUF quantized type compute what their dequantized f32 form does.
     #[test]
     fn native_quantized_types_match_their_f32_form() {
-        for (rows, cols, m_rows) in [(64, 576, 2), (960, 576, 1), (576, 1536, 1), (3072, 576, 3), (960, 576, 37), (576, 1536, 20)] {
+        for (rows, cols, m_rows) in [
+            (64, 576, 2),
+            (960, 576, 1),
+            (576, 1536, 1),
+            (3072, 576, 3),
+            (960, 576, 37),
+            (576, 1536, 20),
+        ] {
             let v: Vec<f32> = (0..rows * cols)
                 .map(|i| ((i * 7919 % 1000) as f32 / 500.0) - 1.0)
                 .collect();
             let t = Tensor::from_vec(v, (rows, cols), &Device::Cpu).unwrap();
-            let x: Vec<f32> = (0..m_rows * cols).map(|i| (i as f32 * 0.11).cos()).collect();
+            let x: Vec<f32> = (0..m_rows * cols)
+                .map(|i| (i as f32 * 0.11).cos())
+                .collect();
             for dt in [GgmlDType::Q4_1, GgmlDType::Q8_0, GgmlDType::Q4_0] {
                 let m = HostMatrix::from_qtensor(&QTensor::quantize(&t, dt).unwrap()).unwrap();
-                let want = m.clone().into_linear(WeightMode::F32).unwrap().forward(&x, m_rows).unwrap();
-                let got = m.into_linear(WeightMode::Native).unwrap().forward(&x, m_rows).unwrap();
-                let d = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                let want = m
+                    .clone()
+                    .into_linear(WeightMode::F32)
+                    .unwrap()
+                    .forward(&x, m_rows)
+                    .unwrap();
+                let got = m
+                    .into_linear(WeightMode::Native)
+                    .unwrap()
+                    .forward(&x, m_rows)
+                    .unwrap();
+                let d = got
+                    .iter()
+                    .zip(&want)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0f32, f32::max);
                 assert!(d < 0.5, "{dt:?} [{rows}, {cols}] m={m_rows}: {d}");
             }
         }

@@ -38,8 +38,13 @@ fn solo_vs_batched(model: &dyn CausalLm, dtype: CacheDtype) -> f32 {
         greedy_batched(model, &mut batched_cache, &prompts, NEW_TOKENS, 7);
     for (i, p) in prompts.iter().enumerate() {
         let mut cache = Cache::new(model, 16, 64, dtype);
-        let (solo, solo_logits) =
-            greedy_batched(model, &mut cache, std::slice::from_ref(p), NEW_TOKENS, 1 << 20);
+        let (solo, solo_logits) = greedy_batched(
+            model,
+            &mut cache,
+            std::slice::from_ref(p),
+            NEW_TOKENS,
+            1 << 20,
+        );
         assert_eq!(
             solo[0].generated(),
             batched[i].generated(),

@@ -117,14 +117,18 @@ fn every_weight_mode_and_cache_dtype_predicts_like_the_reference() {
             );
             assert_eq!(a.confident, a.confident_agree, "{mode} {dtype}");
             // overall agreement (near-ties included)
+            // quantized modes flip some near-ties (97% measured for q8_0 and native)
             let min_agree = match mode {
                 WeightMode::F32 => a.steps,
-                _ => a.steps * 85 / 100,
+                _ => a.steps * 93 / 100,
             };
             if mode == WeightMode::F32 && dtype == CacheDtype::F32 {
                 assert!(a.max_dev < 2e-3, "{}", a.max_dev);
             }
-            assert!(a.agree >= min_agree.min(a.steps - a.steps / 50), "{mode} {dtype}");
+            assert!(
+                a.agree >= min_agree.min(a.steps - a.steps / 50),
+                "{mode} {dtype}"
+            );
         }
     }
 }

@@ -4,8 +4,9 @@
 //! once at the memcpy bandwidth measured in the same run.
 //!
 //! ```text
-//! cargo run --release -p tandem-models --example bench_model [-- MODEL [MODES] [STEPS]]
-//! #   MODEL default smollm2-135m, MODES default f32,q8_0,native, STEPS (decode steps) default 32
+//! cargo run --release -p tandem-models --example bench_model [-- MODEL [MODES] [STEPS] [KV]]
+//! #   MODEL default smollm2-135m, MODES default q8_0,f32,native, STEPS (decode steps) default 32,
+//! #   KV (cache dtype) default f32
 //! ```
 
 use std::time::Instant;
@@ -98,14 +99,17 @@ fn main() {
     let spec = args.first().map_or("smollm2-135m", String::as_str);
     let modes: Vec<WeightMode> = args
         .get(1)
-        .map_or("f32,q8_0,native", String::as_str)
+        .map_or("q8_0,f32,native", String::as_str)
         .split(',')
         .map(|m| WeightMode::parse(m).expect("mode"))
         .collect();
     let steps: usize = args.get(2).map_or(32, |s| s.parse().expect("steps"));
+    let kv_dtype = args
+        .get(3)
+        .map_or(CacheDtype::F32, |s| CacheDtype::parse(s).expect("kv dtype"));
     let bw = memcpy_bandwidth();
     println!(
-        "memcpy bandwidth {:.2} GB/s; {} threads (rayon), prompt {PROMPT_LEN} tokens, {steps} decode steps",
+        "memcpy bandwidth {:.2} GB/s; {} threads, prompt {PROMPT_LEN} tokens, {steps} decode steps, {kv_dtype} KV cache",
         bw / 1e9,
         rayon::current_num_threads()
     );
@@ -128,7 +132,7 @@ fn main() {
         let per_seq_blocks = (PROMPT_LEN + steps + 1).div_ceil(BLOCK);
         let kv = KvStorage::new(&KvCacheConfig {
             num_blocks: per_seq_blocks * (BATCH + 1),
-            groups: model.kv_cache_groups(BLOCK, CacheDtype::F32),
+            groups: model.kv_cache_groups(BLOCK, kv_dtype),
         })
         .expect("kv");
         let mut next_block = 0u32;

@@ -131,22 +131,6 @@ pub fn paged_attention(
 /// SIMD width the kernels below are written for (one AVX-512 register of f32).
 const L: usize = 16;
 
-/// Hints the CPU to bring `data` into cache (a no-op where there is no prefetch instruction).
-#[inline]
-fn prefetch(data: &[f32]) {
-    #[cfg(target_arch = "x86_64")]
-    for line in data.chunks(16) {
-        // SAFETY: prefetching has no architectural effect; the pointer is in bounds.
-        unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                line.as_ptr() as *const i8
-            )
-        };
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = data;
-}
-
 /// `sc[t] = q · k_t` for the `nt` keys `k_t = kb[t * stride..][..hd]`.
 fn scores_direct(q: &[f32], kb: &[f32], stride: usize, nt: usize, sc: &mut [f32]) {
     let hd = q.len();
@@ -344,18 +328,10 @@ fn attend_tile(
     let mut k_scratch = vec![0f32; if bytes { bs * hd } else { 0 }];
     let mut v_scratch = k_scratch.clone();
 
-    let b_end = t_hi.div_ceil(bs);
-    for b in t_lo / bs..b_end {
+    for b in t_lo / bs..t_hi.div_ceil(bs) {
         let block = seq.block_table[b] as usize;
         let (j0, j1) = (b * bs, ((b + 1) * bs).min(t_hi));
         let nt = j1 - j0;
-        // The context is read once per step from DRAM: ask for the next block early.
-        if let (LayerCache::F32 { k, v, view }, true) = (cache, b + 1 < b_end) {
-            let next = seq.block_table[b + 1] as usize;
-            let bb = view.layout.block_bytes() / 4;
-            prefetch(&k[next * bb..(next + 1) * bb]);
-            prefetch(&v[next * bb..(next + 1) * bb]);
-        }
         for g in 0..nkv {
             // Rows of this block for head g, as f32 slices `stride` apart.
             let (kb, vb, stride): (&[f32], &[f32], usize) = match cache {

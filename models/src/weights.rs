@@ -28,6 +28,13 @@ use candle_core::{Device, Module, Tensor};
 use crate::error::ModelError;
 use crate::ops::{rotate_blocks, unrotate_blocks, HADAMARD_BLOCK};
 
+/// Whether Q8_0 matrices get the input rotation described in the module docs. Off: with it on,
+/// the default model's greedy chat answer to "What is the capital of France?" degenerated
+/// ("L'Étoile, la Marseillaise, la femme, …") although teacher-forced agreement rose; until that
+/// is understood the unrotated, padded Q8_0 (which answers "The capital of France is Paris.")
+/// is the default.
+const ROTATE_Q8_0_INPUTS: bool = false;
+
 /// How weights are held in memory. See the module docs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum WeightMode {
@@ -233,7 +240,7 @@ impl HostMatrix {
                     p
                 };
                 // Rotate the input dimension (see the module docs) where the tiled kernels run.
-                let rotate = padded.is_multiple_of(HADAMARD_BLOCK);
+                let rotate = ROTATE_Q8_0_INPUTS && padded.is_multiple_of(HADAMARD_BLOCK);
                 let mut v = v;
                 if rotate {
                     rotate_blocks(&mut v);

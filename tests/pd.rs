@@ -3,7 +3,7 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::Server;
 use futures::StreamExt;
@@ -132,30 +132,6 @@ fn deploy(
     }
 }
 
-/// Waits until every instance holds no block and runs no request.
-async fn assert_all_free(servers: &[&Server]) {
-    let start = Instant::now();
-    for s in servers {
-        loop {
-            let free = s.metric("tandem:kv_cache_free_blocks", &[]).await.unwrap();
-            let total = s.metric("tandem:kv_cache_total_blocks", &[]).await.unwrap();
-            let running = s
-                .metric("tandem:num_requests_running", &[])
-                .await
-                .unwrap_or(0.0);
-            if free == total && running == 0.0 {
-                break;
-            }
-            assert!(
-                start.elapsed() < Duration::from_secs(30),
-                "{}: {free}/{total} blocks free",
-                s.base
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-}
-
 const PROMPTS: [&str; 10] = [
     "The capital of France is",
     "Once upon a time, in a small village,",
@@ -195,7 +171,7 @@ async fn pd_output_equals_single_instance_streaming_and_not() {
             .await,
         Some(0.0)
     );
-    assert_all_free(&[&d.prefill[0], &d.decode[0]]).await;
+    common::wait_all_free(&[&d.prefill[0], &d.decode[0]]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -237,7 +213,7 @@ async fn sixteen_concurrent_requests_and_chunked_prefill_and_decode_prefix_hit()
     for (p, got) in futures::future::join_all(futs).await {
         assert_eq!(got, want[p]);
     }
-    assert_all_free(&[&d.prefill[0], &d.decode[0]]).await;
+    common::wait_all_free(&[&d.prefill[0], &d.decode[0]]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -266,7 +242,7 @@ async fn two_producers_one_consumer_and_one_producer_two_consumers() {
             assert!(prompts > 0.0, "{np}P{nd}D: {} served nothing", s.base);
         }
         let all: Vec<&Server> = d.prefill.iter().chain(&d.decode).collect();
-        assert_all_free(&all).await;
+        common::wait_all_free(&all).await;
     }
 }
 
@@ -321,7 +297,7 @@ async fn dead_producer_follows_the_failure_policy() {
             .metric("tandem:kv_load_failures_total", &[("policy", policy)])
             .await;
         assert_eq!(fails, Some(1.0));
-        assert_all_free(&[&decode]).await;
+        common::wait_all_free(&[&decode]).await;
     }
 }
 
@@ -340,7 +316,7 @@ async fn dead_consumer_leaves_the_producer_to_free_at_lease_expiry() {
         .await
         .unwrap();
     assert!(held < total, "blocks held for the consumer");
-    assert_all_free(&[&producer]).await;
+    common::wait_all_free(&[&producer]).await;
     assert_eq!(
         producer.metric("tandem:kv_lease_expired_total", &[]).await,
         Some(1.0)
@@ -393,5 +369,5 @@ async fn malformed_or_forged_transfer_params_are_rejected_without_leaks() {
     )
     .await;
     assert_eq!(st, 200);
-    assert_all_free(&[&producer, &decode]).await;
+    common::wait_all_free(&[&producer, &decode]).await;
 }

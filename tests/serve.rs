@@ -115,20 +115,7 @@ async fn concurrent_greedy_requests_equal_their_solo_outputs() {
     }
     // every block free again, no request left (gauges are published at the end of a step,
     // which may come just after the last answer)
-    let total = s.metric("tandem:kv_cache_total_blocks", &[]).await.unwrap();
-    let start = std::time::Instant::now();
-    loop {
-        let free = s.metric("tandem:kv_cache_free_blocks", &[]).await.unwrap();
-        let running = s.metric("tandem:num_requests_running", &[]).await.unwrap();
-        if free == total && running == 0.0 {
-            break;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(10),
-            "{free} of {total} blocks free"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    common::wait_all_free(&[&s]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -360,19 +347,7 @@ async fn client_disconnect_frees_blocks() {
     let busy = s.metric("tandem:kv_cache_free_blocks", &[]).await.unwrap();
     assert!(busy < total, "the request holds blocks while running");
     drop(stream);
-    let start = std::time::Instant::now();
-    loop {
-        let free = s.metric("tandem:kv_cache_free_blocks", &[]).await.unwrap();
-        let running = s.metric("tandem:num_requests_running", &[]).await.unwrap();
-        if free == total && running == 0.0 {
-            break;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(20),
-            "blocks not freed after disconnect"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    common::wait_all_free(&[&s]).await;
     let aborted = s
         .metric(
             "tandem:request_success_total",

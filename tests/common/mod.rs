@@ -137,6 +137,30 @@ impl Server {
     }
 }
 
+/// Waits until every instance holds no block and runs no request.
+pub async fn wait_all_free(servers: &[&Server]) {
+    let start = Instant::now();
+    for s in servers {
+        loop {
+            let free = s.metric("tandem:kv_cache_free_blocks", &[]).await.unwrap();
+            let total = s.metric("tandem:kv_cache_total_blocks", &[]).await.unwrap();
+            let running = s
+                .metric("tandem:num_requests_running", &[])
+                .await
+                .unwrap_or(0.0);
+            if free == total && running == 0.0 {
+                break;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "{}: {free}/{total} blocks free",
+                s.base
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
 /// Finds a sample line `name{labels} value` in Prometheus text.
 pub fn parse_metric(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
     text.lines().filter(|l| !l.starts_with('#')).find_map(|l| {

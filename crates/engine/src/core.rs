@@ -56,13 +56,6 @@ pub struct RequestValidator {
 impl RequestValidator {
     pub fn validate(&self, new: &NewRequest) -> Result<(), EngineError> {
         new.params.validate(self.vocab_size)?;
-        let prompt = new.prompt_token_ids.len();
-        if prompt == 0 {
-            return Err(EngineError::InvalidParam {
-                param: "prompt".into(),
-                message: "the prompt must contain at least one token".into(),
-            });
-        }
         if let Some(&t) = new
             .prompt_token_ids
             .iter()
@@ -76,24 +69,42 @@ impl RequestValidator {
                 ),
             });
         }
-        let requested = prompt + new.params.max_tokens;
-        if requested > self.config.max_model_len {
-            return Err(EngineError::ContextLengthExceeded {
-                max_model_len: self.config.max_model_len,
-                requested,
-                prompt,
-                max_tokens: new.params.max_tokens,
-            });
-        }
-        let needed = requested.div_ceil(self.block_size);
-        if needed > self.num_blocks {
-            return Err(EngineError::TooLargeForCache {
-                needed,
-                available: self.num_blocks,
-            });
-        }
-        Ok(())
+        check_request_limits(&self.config, self.num_blocks, self.block_size, new)
     }
+}
+
+/// The limits every request must fit: a non-empty prompt, prompt + max_tokens within the model
+/// length, and no more blocks than the cache holds (such a request could never be scheduled).
+pub fn check_request_limits(
+    config: &SchedulerConfig,
+    num_blocks: usize,
+    block_size: usize,
+    new: &NewRequest,
+) -> Result<(), EngineError> {
+    let prompt = new.prompt_token_ids.len();
+    if prompt == 0 {
+        return Err(EngineError::InvalidParam {
+            param: "prompt".into(),
+            message: "the prompt must contain at least one token".into(),
+        });
+    }
+    let requested = prompt + new.params.max_tokens;
+    if requested > config.max_model_len {
+        return Err(EngineError::ContextLengthExceeded {
+            max_model_len: config.max_model_len,
+            requested,
+            prompt,
+            max_tokens: new.params.max_tokens,
+        });
+    }
+    let needed = requested.div_ceil(block_size);
+    if needed > num_blocks {
+        return Err(EngineError::TooLargeForCache {
+            needed,
+            available: num_blocks,
+        });
+    }
+    Ok(())
 }
 
 impl std::fmt::Debug for EngineHandle {

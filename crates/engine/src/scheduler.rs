@@ -283,30 +283,12 @@ impl Scheduler {
 
     /// Checks a new request against the model and cache limits.
     pub fn validate(&self, new: &NewRequest) -> Result<(), EngineError> {
-        let prompt = new.prompt_token_ids.len();
-        if prompt == 0 {
-            return Err(EngineError::InvalidParam {
-                param: "prompt".into(),
-                message: "the prompt must contain at least one token".into(),
-            });
-        }
-        let requested = prompt + new.params.max_tokens;
-        if requested > self.config.max_model_len {
-            return Err(EngineError::ContextLengthExceeded {
-                max_model_len: self.config.max_model_len,
-                requested,
-                prompt,
-                max_tokens: new.params.max_tokens,
-            });
-        }
-        let needed = self.kv.blocks_for(requested);
-        if needed > self.kv.num_blocks() {
-            return Err(EngineError::TooLargeForCache {
-                needed,
-                available: self.kv.num_blocks(),
-            });
-        }
-        Ok(())
+        crate::core::check_request_limits(
+            &self.config,
+            self.kv.num_blocks(),
+            self.kv.block_size(),
+            new,
+        )
     }
 
     /// Queues a request (validated by the caller with [`Self::validate`]).

@@ -317,7 +317,8 @@ async fn bad_inputs_get_envelopes_and_break_nothing() {
         .await
         .unwrap();
     assert_eq!(r.status().as_u16(), 413);
-    let r = c.get(s.url("/v2/nothing")).send().await.unwrap();
+    // The server closes a connection whose oversized body it did not read: use a new one.
+    let r = client().get(s.url("/v2/nothing")).send().await.unwrap();
     assert_eq!(r.status().as_u16(), 404);
     // still serving, nothing leaked
     assert_eq!(complete_ids(&s, "Hello", 4).await.len(), 4);

@@ -3,8 +3,10 @@
 //!
 //! - Causal within the sequence: the query at cache index `i` sees cache indices `0..=i`
 //!   (or the last `window` of them for sliding-window layers).
-//! - GQA without copies: query heads `g*G..(g+1)*G` share KV head `g`; each K/V row is read once
-//!   per block for all of them.
+//! - GQA without copies: query heads `g*G..(g+1)*G` share KV head `g`; the cache is walked block
+//!   by block and each block's rows of every KV head serve that head's queries while hot.
+//! - Scores: one kernel for every query, 16 keys at a time (AVX-512 where compiled in, a
+//!   portable dot otherwise), so a query's summation order never depends on the batch.
 //! - Online softmax over one cache block at a time (running max and sum), so no buffer grows
 //!   with the context and no gather copy of the context is made. f32 caches are read in place;
 //!   f16/bf16 caches are decoded one block of one head at a time into a small scratch.

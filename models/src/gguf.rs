@@ -2,7 +2,7 @@
 //!
 //! Invariant: matrices handed out are in HF layout (`[out_features, in_features]`, Q/K rows in
 //! the "rotate half" order). llama.cpp's converter permutes the rows of `attn_q`/`attn_k` of
-//! Llama-family models for its interleaved RoPE; [`GgufFile::matrix`] undoes that when asked, so
+//! Llama-family models for its interleaved RoPE; `GgufFile::matrix` undoes that when asked, so
 //! the K written to the cache is the same as an HF-loaded model's.
 
 use std::fs::File;

@@ -1,7 +1,7 @@
 //! The Llama family (Llama 2/3, SmolLM, TinyLlama, …): RMSNorm, RoPE with the model's theta and
 //! scaling, grouped-query attention over the paged KV cache, SwiGLU, optionally tied embeddings.
 //!
-//! Weights are read through [`WeightSource`] under llama.cpp's tensor names (`blk.N.attn_q.weight`),
+//! Weights are read through `WeightSource` under llama.cpp's tensor names (`blk.N.attn_q.weight`),
 //! whatever the file format, in HF layout. Q, K and V are fused into one matrix, as are gate and
 //! up, so a step runs four matmuls per layer over all tokens of the batch.
 //!

@@ -5,7 +5,10 @@
 //!   model's theta and optional scaling (linear, llama3, per-frequency factors from GGUF);
 //!   cos/sin precomputed for every position up to the model's maximum.
 //! - [`silu_mul`]: SwiGLU's `silu(gate) * up`.
-//! - [`dot`] / [`axpy`]: small vector kernels written so the compiler vectorizes them.
+//! - [`rotate_blocks`] / [`unrotate_blocks`]: the orthogonal per-256 rotation (random signs, then
+//!   Hadamard) that the Q8_0 weight mode applies to matmul inputs.
+//! - [`dot`] / [`axpy`] / [`exp_fast`]: small vector kernels written so the compiler vectorizes
+//!   them.
 //!
 //! Invariant: every function here is deterministic and independent of how rows are batched,
 //! so a token's result never depends on the other tokens of the step.

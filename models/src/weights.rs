@@ -1,7 +1,7 @@
 //! Weight matrices as the forward pass holds them, and how they are built at load time.
 //!
-//! A [`HostMatrix`] is a loaded `[rows, cols]` matrix (rows = output features) in the file's
-//! storage type; row operations (permute, concatenate) work on it before it becomes a [`Linear`]
+//! A `HostMatrix` is a loaded `[rows, cols]` matrix (rows = output features) in the file's
+//! storage type; row operations (permute, concatenate) work on it before it becomes a `Linear`
 //! in the chosen [`WeightMode`]:
 //! - `F32`: dequantized to f32 (the accuracy mode);
 //! - `Q8_0` (the default): re-quantized to Q8_0 for candle's AVX512-VNNI tiled kernels, which

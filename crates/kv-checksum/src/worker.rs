@@ -67,11 +67,7 @@ impl HeadPlacement {
         tp_size: u32,
         global_kv_heads: u32,
     ) -> Result<Self, KvChecksumError> {
-        if tp_size == 0 || tp_rank >= tp_size || global_kv_heads == 0 {
-            return Err(KvChecksumError::InvalidPlacement(format!(
-                "rank {tp_rank} of TP {tp_size} with {global_kv_heads} KV heads"
-            )));
-        }
+        check_rank(tp_rank, tp_size, global_kv_heads)?;
         if global_kv_heads >= tp_size {
             if !global_kv_heads.is_multiple_of(tp_size) {
                 return Err(KvChecksumError::InvalidPlacement(format!(
@@ -107,11 +103,7 @@ impl HeadPlacement {
         tp_size: u32,
         global_kv_heads: u32,
     ) -> Result<Self, KvChecksumError> {
-        if tp_size == 0 || tp_rank >= tp_size || global_kv_heads == 0 {
-            return Err(KvChecksumError::InvalidPlacement(format!(
-                "rank {tp_rank} of TP {tp_size} with {global_kv_heads} KV heads"
-            )));
-        }
+        check_rank(tp_rank, tp_size, global_kv_heads)?;
         Ok(HeadPlacement {
             head_offset: 0,
             global_kv_heads,
@@ -121,6 +113,16 @@ impl HeadPlacement {
             },
         })
     }
+}
+
+/// A rank inside its TP group, and a cache with at least one KV head.
+fn check_rank(tp_rank: u32, tp_size: u32, global_kv_heads: u32) -> Result<(), KvChecksumError> {
+    if tp_size == 0 || tp_rank >= tp_size || global_kv_heads == 0 {
+        return Err(KvChecksumError::InvalidPlacement(format!(
+            "rank {tp_rank} of TP {tp_size} with {global_kv_heads} KV heads"
+        )));
+    }
+    Ok(())
 }
 
 /// One of this worker's caches (one layer's K and V) in a group.

@@ -213,6 +213,20 @@ impl WorkerChecksums {
         Self::new(worker, groups)
     }
 
+    /// The only worker of an instance (TP 1, PP 1): every layer and every head of `config`'s
+    /// groups in `storage`.
+    pub fn single(storage: &KvStorage, config: &KvCacheConfig) -> Self {
+        Self::from_storage(
+            WorkerId {
+                tp_rank: 0,
+                pp_rank: 0,
+            },
+            storage,
+            config,
+            |g| HeadPlacement::single(g.spec.num_kv_heads() as u32),
+        )
+    }
+
     pub fn worker(&self) -> WorkerId {
         self.worker
     }

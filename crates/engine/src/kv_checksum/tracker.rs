@@ -419,7 +419,7 @@ fn describe(v: &Verdict) -> String {
 mod tests {
     use super::*;
     use tandem_kv_cache::{CacheDtype, KvCacheConfig, KvStorage};
-    use tandem_kv_checksum::{CpuBackend, HeadPlacement, Role, WorkerChecksums, WorkerId};
+    use tandem_kv_checksum::{CpuBackend, Role, WorkerChecksums};
 
     fn instance() -> (KvStorage, WorkerChecksums, Vec<KvCacheGroup>) {
         let groups = vec![KvCacheGroup {
@@ -443,15 +443,7 @@ mod tests {
                 storage.write_slots(l, &[slot], &k, &k).unwrap();
             }
         }
-        let setup = WorkerChecksums::from_storage(
-            WorkerId {
-                tp_rank: 0,
-                pp_rank: 0,
-            },
-            &storage,
-            &config,
-            |g| HeadPlacement::single(g.spec.num_kv_heads() as u32),
-        );
+        let setup = WorkerChecksums::single(&storage, &config);
         (storage, setup, groups)
     }
 

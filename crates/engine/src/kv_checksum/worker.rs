@@ -23,8 +23,8 @@ use std::time::Instant;
 
 use tandem_kv_cache::{KvCacheConfig, KvCacheGroup, KvStorage};
 use tandem_kv_checksum::{
-    ChecksumRequest, CpuBackend, GroupOutcome, GroupRecord, HeadPlacement, RequestRecord, Role,
-    WorkerChecksums, WorkerId,
+    ChecksumRequest, CpuBackend, GroupOutcome, GroupRecord, RequestRecord, Role, WorkerChecksums,
+    WorkerId,
 };
 use tandem_kv_connector::base::ConnectorOutput;
 
@@ -87,15 +87,7 @@ impl ChecksumWorker {
             num_blocks: 0,
             groups: groups.to_vec(),
         };
-        let setup = WorkerChecksums::from_storage(
-            WorkerId {
-                tp_rank: 0,
-                pp_rank: 0,
-            },
-            &storage,
-            &config,
-            |g| HeadPlacement::single(g.spec.num_kv_heads() as u32),
-        );
+        let setup = WorkerChecksums::single(&storage, &config);
         Self::new(setup, storage)
     }
 

@@ -183,15 +183,7 @@ fn a_workers_kv_storage_is_checksummed_in_place() {
         CacheDtype::Bf16.encode(&k, &mut layer.k);
         CacheDtype::Bf16.encode(&v, &mut layer.v);
     }
-    let worker = WorkerChecksums::from_storage(
-        WorkerId {
-            tp_rank: 0,
-            pp_rank: 0,
-        },
-        &storage,
-        &config,
-        |g| HeadPlacement::single(g.spec.num_kv_heads() as u32),
-    );
+    let worker = WorkerChecksums::single(&storage, &config);
     assert_eq!(worker.skipped_groups().count(), 0);
     let req = ChecksumRequest::for_send(
         tokens,

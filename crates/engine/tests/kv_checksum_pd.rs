@@ -13,6 +13,8 @@
 //! its own `ChecksumWorker`, as the engine's TP/PP workers will. Every test ends with no request
 //! left and every block free on both sides.
 
+mod common;
+
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -22,15 +24,14 @@ use metrics_exporter_prometheus::PrometheusBuilder;
 use serde_json::{json, Value};
 use tandem_engine::detokenizer::Detokenize;
 use tandem_engine::model_worker::ModelWorker;
-use tandem_engine::request::{NewRequest, Request};
+use tandem_engine::request::NewRequest;
 use tandem_engine::scheduler_output::{
     ChecksumRecord, ChecksumSide, SampledToken, SchedulerOutput, WorkerOutput,
 };
 use tandem_engine::worker::FlatBatch;
 use tandem_engine::{
     ChecksumWorker, EngineError, FaultInjection, FaultKind, FinishReason, KvChecksumConfig,
-    KvLoadFailurePolicy, RequestEvent, SamplingParams, Scheduler, SchedulerConfig, Worker,
-    WorkerGrid,
+    KvLoadFailurePolicy, RequestEvent, Scheduler, SchedulerConfig, Worker, WorkerGrid,
 };
 use tandem_kv_cache::{
     BlockId, CacheDtype, KvCacheConfig, KvCacheGroup, KvCacheManager, KvCacheSpec, KvPart,
@@ -43,7 +44,7 @@ use tandem_kv_connector::base::{
 };
 use tandem_kv_connector::KvConnectorError;
 use tandem_models::{CausalLm, ForwardBatch, ModelError, ModelInfo, WeightMode};
-use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+use tokio::sync::mpsc::UnboundedReceiver;
 
 const LAYERS: usize = 4;
 const HEADS: usize = 4;
@@ -767,31 +768,23 @@ impl Instance {
     fn add(&mut self, prompt: &[u32], max_tokens: usize, kvp: Option<Value>) -> u64 {
         let id = self.next_id;
         self.next_id += 1;
-        let (tx, rx) = unbounded_channel();
-        let new = NewRequest {
-            external_id: format!("{}-{id}", self.name),
-            prompt_token_ids: prompt.to_vec(),
-            params: SamplingParams {
-                temperature: 0.0,
-                max_tokens,
-                ..Default::default()
-            },
-            kv_transfer_params: kvp,
-        };
-        self.sched.validate(&new).unwrap();
-        self.sched.add_request(Request::new(id, new, tx));
+        let rx = common::add_request(
+            &mut self.sched,
+            id,
+            format!("{}-{id}", self.name),
+            prompt.to_vec(),
+            common::greedy(max_tokens),
+            kvp,
+        );
         self.streams.insert(id, rx);
         id
     }
 
     fn step(&mut self) {
-        let out = self.sched.schedule();
+        let out = common::step(&mut self.sched, self.worker.as_mut());
         for job in &out.checksum_work.sends {
             *self.send_jobs.entry(job.request_id).or_default() += 1;
         }
-        let w = self.worker.execute(&out).unwrap();
-        self.sched.update_from_output(&out, w);
-        self.sched.check_invariants().unwrap();
         for (id, rx) in &mut self.streams {
             while let Ok(ev) = rx.try_recv() {
                 self.events.entry(*id).or_default().push(ev);
@@ -1643,11 +1636,7 @@ fn the_engine_loop_answers_a_producer_request_with_its_checksums() {
             .submit(NewRequest {
                 external_id: "e2e".into(),
                 prompt_token_ids: prompt(21, 40),
-                params: SamplingParams {
-                    temperature: 0.0,
-                    max_tokens: 1,
-                    ..Default::default()
-                },
+                params: common::greedy(1),
                 kv_transfer_params: Some(json!({"do_remote_decode": true})),
             })
             .unwrap();

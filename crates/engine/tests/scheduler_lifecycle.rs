@@ -6,12 +6,14 @@
 //! "same output batched as alone" checks the scheduler's bookkeeping, not just its routing.
 //! Every test ends with no request left and every block free.
 
+mod common;
+
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
 use serde_json::{json, Value};
 use tandem_engine::detokenizer::Detokenize;
-use tandem_engine::request::{NewRequest, Request};
+use tandem_engine::request::NewRequest;
 use tandem_engine::scheduler_output::{SampledToken, SchedulerOutput, WorkerOutput};
 use tandem_engine::{
     EngineError, EngineFault, EngineHandle, FaultyWorker, FinishReason, KvLoadFailurePolicy,
@@ -24,6 +26,8 @@ use tandem_kv_connector::base::{
 };
 use tandem_kv_connector::KvConnectorError;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+use common::{add_request, greedy, step};
 
 const BLOCK: usize = 4;
 const EOS: u32 = 255;
@@ -80,14 +84,6 @@ impl Worker for MockWorker {
     }
 }
 
-fn greedy(max_tokens: usize) -> SamplingParams {
-    SamplingParams {
-        temperature: 0.0,
-        max_tokens,
-        ..Default::default()
-    }
-}
-
 struct Harness {
     sched: Scheduler,
     worker: MockWorker,
@@ -118,23 +114,19 @@ impl Harness {
     fn add_with(&mut self, prompt: Vec<u32>, params: SamplingParams, kvp: Option<Value>) -> u64 {
         let id = self.next_id;
         self.next_id += 1;
-        let (tx, rx) = unbounded_channel();
-        let new = NewRequest {
-            external_id: format!("req-{id}"),
-            prompt_token_ids: prompt,
+        let rx = add_request(
+            &mut self.sched,
+            id,
+            format!("req-{id}"),
+            prompt,
             params,
-            kv_transfer_params: kvp,
-        };
-        self.sched.validate(&new).unwrap();
-        self.sched.add_request(Request::new(id, new, tx));
+            kvp,
+        );
         self.streams.insert(id, rx);
         id
     }
     fn step(&mut self) {
-        let out = self.sched.schedule();
-        let w = self.worker.execute(&out).unwrap();
-        self.sched.update_from_output(&out, w);
-        self.sched.check_invariants().unwrap();
+        step(&mut self.sched, &mut self.worker);
     }
     fn run(&mut self) {
         let mut guard = 0;

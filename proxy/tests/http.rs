@@ -21,7 +21,7 @@ fn chat(stream: bool) -> Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefill_gets_one_token_copy_and_decode_gets_producer_params() {
-    let (p, d) = (fake_prefill("p0").await, fake_decode("d0").await);
+    let (p, d) = fakes().await;
     let proxy = start_proxy(args(&[&p.url], &[&d.url]), None).await;
 
     let response = client()
@@ -65,15 +65,10 @@ async fn prefill_gets_one_token_copy_and_decode_gets_producer_params() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn non_streaming_completion_returns_decode_json_with_one_generated_request_id() {
-    let (p, d) = (fake_prefill("p0").await, fake_decode("d0").await);
+    let (p, d) = fakes().await;
     let proxy = start_proxy(args(&[&p.url], &[&d.url]), None).await;
 
-    let response = client()
-        .post(format!("{}/v1/completions", proxy.url))
-        .json(&json!({"model": "m", "prompt": "Hello", "max_tokens": 5, "max_completion_tokens": 5, "n": 2}))
-        .send()
-        .await
-        .unwrap();
+    let response = proxy.post("/v1/completions", &json!({"model": "m", "prompt": "Hello", "max_tokens": 5, "max_completion_tokens": 5, "n": 2})).await;
     assert_eq!(response.status(), 200);
     assert!(response.headers()["content-type"]
         .to_str()
@@ -101,16 +96,11 @@ async fn non_streaming_completion_returns_decode_json_with_one_generated_request
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streaming_relays_the_first_chunk_while_the_upstream_holds_the_rest() {
-    let (p, d) = (fake_prefill("p0").await, fake_decode("d0").await);
+    let (p, d) = fakes().await;
     d.set_mode(Mode::Held);
     let proxy = start_proxy(args(&[&p.url], &[&d.url]), None).await;
 
-    let mut response = client()
-        .post(format!("{}/v1/chat/completions", proxy.url))
-        .json(&chat(true))
-        .send()
-        .await
-        .unwrap();
+    let mut response = proxy.post("/v1/chat/completions", &chat(true)).await;
     assert_eq!(response.status(), 200);
     assert_eq!(response.headers()["content-type"], "text/event-stream");
     let first = tokio::time::timeout(Duration::from_secs(3), response.chunk())
@@ -143,7 +133,7 @@ async fn streaming_relays_the_first_chunk_while_the_upstream_holds_the_rest() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn body_that_is_not_a_json_object_is_400_and_reaches_no_upstream() {
-    let (p, d) = (fake_prefill("p0").await, fake_decode("d0").await);
+    let (p, d) = fakes().await;
     let proxy = start_proxy(args(&[&p.url], &[&d.url]), None).await;
     for body in ["{not json", "[1, 2]", ""] {
         let response = client()
@@ -163,7 +153,7 @@ async fn body_that_is_not_a_json_object_is_400_and_reaches_no_upstream() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn curl_style_form_content_type_is_accepted() {
-    let (p, d) = (fake_prefill("p0").await, fake_decode("d0").await);
+    let (p, d) = fakes().await;
     let proxy = start_proxy(args(&[&p.url], &[&d.url]), None).await;
     let response = client()
         .post(format!("{}/v1/completions", proxy.url))
@@ -216,12 +206,9 @@ async fn failed_prefill_connect_is_retried_on_another_instance() {
     let dead = dead_url().await;
     let proxy = start_proxy(args(&[&dead, &p.url], &[&d.url]), None).await;
     for _ in 0..3 {
-        let response = client()
-            .post(format!("{}/v1/completions", proxy.url))
-            .json(&json!({"model": "m", "prompt": "Hi"}))
-            .send()
-            .await
-            .unwrap();
+        let response = proxy
+            .post("/v1/completions", &json!({"model": "m", "prompt": "Hi"}))
+            .await;
         assert_eq!(response.status(), 200);
     }
     assert_eq!(p.completions().len(), 3);
@@ -238,18 +225,15 @@ async fn failed_prefill_connect_is_retried_on_another_instance() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefill_that_does_not_answer_in_time_is_504() {
-    let (p, d) = (fake_prefill("p0").await, fake_decode("d0").await);
+    let (p, d) = fakes().await;
     p.set_mode(Mode::Hang);
     let mut config = args(&[&p.url], &[&d.url]);
     config.prefill_timeout_secs = 0.3;
     let proxy = start_proxy(config, None).await;
     let started = Instant::now();
-    let response = client()
-        .post(format!("{}/v1/completions", proxy.url))
-        .json(&json!({"model": "m", "prompt": "Hi"}))
-        .send()
-        .await
-        .unwrap();
+    let response = proxy
+        .post("/v1/completions", &json!({"model": "m", "prompt": "Hi"}))
+        .await;
     assert_eq!(response.status(), 504);
     assert_envelope(&response.json().await.unwrap(), "upstream_timeout");
     assert!(started.elapsed() < Duration::from_secs(3));
@@ -263,15 +247,12 @@ async fn prefill_that_does_not_answer_in_time_is_504() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefill_answer_without_kv_transfer_params_is_502() {
-    let (p, d) = (fake_prefill("p0").await, fake_decode("d0").await);
+    let (p, d) = fakes().await;
     p.set_mode(Mode::NoKvParams);
     let proxy = start_proxy(args(&[&p.url], &[&d.url]), None).await;
-    let response = client()
-        .post(format!("{}/v1/completions", proxy.url))
-        .json(&json!({"model": "m", "prompt": "Hi"}))
-        .send()
-        .await
-        .unwrap();
+    let response = proxy
+        .post("/v1/completions", &json!({"model": "m", "prompt": "Hi"}))
+        .await;
     assert_eq!(response.status(), 502);
     assert_envelope(
         &response.json().await.unwrap(),
@@ -283,16 +264,13 @@ async fn prefill_answer_without_kv_transfer_params_is_502() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefill_openai_error_passes_through() {
-    let (p, d) = (fake_prefill("p0").await, fake_decode("d0").await);
+    let (p, d) = fakes().await;
     let upstream = r#"{"error":{"message":"prompt too long","type":"invalid_request_error","param":"prompt","code":"context_length_exceeded"}}"#;
     p.set_mode(Mode::Fail(400, upstream.into()));
     let proxy = start_proxy(args(&[&p.url], &[&d.url]), None).await;
-    let response = client()
-        .post(format!("{}/v1/completions", proxy.url))
-        .json(&json!({"model": "m", "prompt": "Hi"}))
-        .send()
-        .await
-        .unwrap();
+    let response = proxy
+        .post("/v1/completions", &json!({"model": "m", "prompt": "Hi"}))
+        .await;
     assert_eq!(response.status(), 400);
     assert_eq!(response.text().await.unwrap(), upstream);
     assert!(d.completions().is_empty());
@@ -301,16 +279,11 @@ async fn prefill_openai_error_passes_through() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn decode_openai_error_passes_through_with_its_status() {
-    let (p, d) = (fake_prefill("p0").await, fake_decode("d0").await);
+    let (p, d) = fakes().await;
     let upstream = r#"{"error":{"message":"KV load failed","type":"server_error","param":null,"code":"kv_load_failed"}}"#;
     d.set_mode(Mode::Fail(500, upstream.into()));
     let proxy = start_proxy(args(&[&p.url], &[&d.url]), None).await;
-    let response = client()
-        .post(format!("{}/v1/chat/completions", proxy.url))
-        .json(&chat(true))
-        .send()
-        .await
-        .unwrap();
+    let response = proxy.post("/v1/chat/completions", &chat(true)).await;
     assert_eq!(response.status(), 500);
     assert_eq!(response.headers()["content-type"], "application/json");
     assert_eq!(response.text().await.unwrap(), upstream);
@@ -319,15 +292,12 @@ async fn decode_openai_error_passes_through_with_its_status() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn decode_error_without_an_envelope_is_502() {
-    let (p, d) = (fake_prefill("p0").await, fake_decode("d0").await);
+    let (p, d) = fakes().await;
     d.set_mode(Mode::Fail(500, "Internal Server Error".into()));
     let proxy = start_proxy(args(&[&p.url], &[&d.url]), None).await;
-    let response = client()
-        .post(format!("{}/v1/completions", proxy.url))
-        .json(&json!({"model": "m", "prompt": "Hi"}))
-        .send()
-        .await
-        .unwrap();
+    let response = proxy
+        .post("/v1/completions", &json!({"model": "m", "prompt": "Hi"}))
+        .await;
     assert_eq!(response.status(), 502);
     assert_envelope(&response.json().await.unwrap(), "upstream_bad_status");
     proxy.assert_idle().await;
@@ -335,17 +305,14 @@ async fn decode_error_without_an_envelope_is_502() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn decode_that_does_not_answer_in_time_is_504() {
-    let (p, d) = (fake_prefill("p0").await, fake_decode("d0").await);
+    let (p, d) = fakes().await;
     d.set_mode(Mode::Hang);
     let mut config = args(&[&p.url], &[&d.url]);
     config.decode_first_byte_timeout_secs = 0.3;
     let proxy = start_proxy(config, None).await;
-    let response = client()
-        .post(format!("{}/v1/completions", proxy.url))
-        .json(&json!({"model": "m", "prompt": "Hi"}))
-        .send()
-        .await
-        .unwrap();
+    let response = proxy
+        .post("/v1/completions", &json!({"model": "m", "prompt": "Hi"}))
+        .await;
     assert_eq!(response.status(), 504);
     assert_envelope(&response.json().await.unwrap(), "upstream_timeout");
     proxy.assert_idle().await;
@@ -355,12 +322,9 @@ async fn decode_that_does_not_answer_in_time_is_504() {
 async fn quick_requests(proxy: &Proxy, n: usize) -> Vec<String> {
     let mut served = Vec::new();
     for _ in 0..n {
-        let body: Value = client()
-            .post(format!("{}/v1/completions", proxy.url))
-            .json(&json!({"model": "m", "prompt": "Hi"}))
-            .send()
+        let body: Value = proxy
+            .post("/v1/completions", &json!({"model": "m", "prompt": "Hi"}))
             .await
-            .unwrap()
             .json()
             .await
             .unwrap();
@@ -391,12 +355,12 @@ async fn decode_instance_with_fewer_outstanding_requests_is_picked() {
     );
 
     // One stream held open on one instance: every other request goes to the other one.
-    let mut held = client()
-        .post(format!("{}/v1/completions", proxy.url))
-        .json(&json!({"model": "m", "prompt": "Hi", "stream": true}))
-        .send()
-        .await
-        .unwrap();
+    let mut held = proxy
+        .post(
+            "/v1/completions",
+            &json!({"model": "m", "prompt": "Hi", "stream": true}),
+        )
+        .await;
     held.chunk().await.unwrap().unwrap();
     let status = proxy.state.status();
     let busy = if status.decode[0].outstanding == 1 {
@@ -444,12 +408,9 @@ async fn health_checks_take_an_instance_out_and_bring_it_back() {
 
     d0.set_healthy(false);
     wait_until("d0 out", || !proxy.state.status().decode[0].healthy).await;
-    let response = client()
-        .post(format!("{}/v1/completions", proxy.url))
-        .json(&json!({"model": "m", "prompt": "Hi"}))
-        .send()
-        .await
-        .unwrap();
+    let response = proxy
+        .post("/v1/completions", &json!({"model": "m", "prompt": "Hi"}))
+        .await;
     assert_eq!(response.status(), 503);
     assert_envelope(&response.json().await.unwrap(), "no_healthy_instance");
 
@@ -471,16 +432,11 @@ async fn health_checks_take_an_instance_out_and_bring_it_back() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_disconnect_closes_the_decode_connection() {
-    let (p, d) = (fake_prefill("p0").await, fake_decode("d0").await);
+    let (p, d) = fakes().await;
     d.set_mode(Mode::Endless);
     let proxy = start_proxy(args(&[&p.url], &[&d.url]), Some(prometheus())).await;
 
-    let mut response = client()
-        .post(format!("{}/v1/chat/completions", proxy.url))
-        .json(&chat(true))
-        .send()
-        .await
-        .unwrap();
+    let mut response = proxy.post("/v1/chat/completions", &chat(true)).await;
     assert_eq!(response.status(), 200);
     response.chunk().await.unwrap().unwrap();
     assert_eq!(proxy.state.status().decode[0].outstanding, 1);
@@ -511,17 +467,17 @@ async fn client_disconnect_closes_the_decode_connection() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn decode_that_goes_silent_mid_stream_is_cut() {
-    let (p, d) = (fake_prefill("p0").await, fake_decode("d0").await);
+    let (p, d) = fakes().await;
     d.set_mode(Mode::Held);
     let mut config = args(&[&p.url], &[&d.url]);
     config.decode_idle_timeout_secs = 0.3;
     let proxy = start_proxy(config, None).await;
-    let mut response = client()
-        .post(format!("{}/v1/completions", proxy.url))
-        .json(&json!({"model": "m", "prompt": "Hi", "stream": true}))
-        .send()
-        .await
-        .unwrap();
+    let mut response = proxy
+        .post(
+            "/v1/completions",
+            &json!({"model": "m", "prompt": "Hi", "stream": true}),
+        )
+        .await;
     response.chunk().await.unwrap().unwrap();
     let rest = tokio::time::timeout(Duration::from_secs(3), async {
         loop {
@@ -547,7 +503,7 @@ async fn decode_that_goes_silent_mid_stream_is_cut() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn models_come_from_a_decode_instance() {
-    let (p, d) = (fake_prefill("p0").await, fake_decode("d0").await);
+    let (p, d) = fakes().await;
     let proxy = start_proxy(args(&[&p.url], &[&d.url]), None).await;
     let response = client()
         .get(format!("{}/v1/models", proxy.url))
@@ -564,14 +520,14 @@ async fn models_come_from_a_decode_instance() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_count_requests_and_outstanding_returns_to_zero() {
-    let (p, d) = (fake_prefill("p0").await, fake_decode("d0").await);
+    let (p, d) = fakes().await;
     let proxy = start_proxy(args(&[&p.url], &[&d.url]), Some(prometheus())).await;
-    let response = client()
-        .post(format!("{}/v1/completions", proxy.url))
-        .json(&json!({"model": "m", "prompt": "Hi", "stream": true}))
-        .send()
-        .await
-        .unwrap();
+    let response = proxy
+        .post(
+            "/v1/completions",
+            &json!({"model": "m", "prompt": "Hi", "stream": true}),
+        )
+        .await;
     response.text().await.unwrap();
     proxy.assert_idle().await;
     let metrics = client()
@@ -614,7 +570,7 @@ async fn metrics_count_requests_and_outstanding_returns_to_zero() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unknown_routes_and_methods_answer_envelopes() {
-    let (p, d) = (fake_prefill("p0").await, fake_decode("d0").await);
+    let (p, d) = fakes().await;
     let proxy = start_proxy(args(&[&p.url], &[&d.url]), None).await;
     let response = client()
         .get(format!("{}/v1/nope", proxy.url))
@@ -671,16 +627,16 @@ fn proxy_args_read_from_toml() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn body_over_the_limit_is_413() {
-    let (p, d) = (fake_prefill("p0").await, fake_decode("d0").await);
+    let (p, d) = fakes().await;
     let mut config = args(&[&p.url], &[&d.url]);
     config.max_body_bytes = 64;
     let proxy = start_proxy(config, None).await;
-    let response = client()
-        .post(format!("{}/v1/completions", proxy.url))
-        .json(&json!({"model": "m", "prompt": "x".repeat(100)}))
-        .send()
-        .await
-        .unwrap();
+    let response = proxy
+        .post(
+            "/v1/completions",
+            &json!({"model": "m", "prompt": "x".repeat(100)}),
+        )
+        .await;
     assert_eq!(response.status(), 413);
     assert_envelope(&response.json().await.unwrap(), "body_too_large");
     assert!(p.completions().is_empty());
@@ -688,7 +644,7 @@ async fn body_over_the_limit_is_413() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_gone_during_prefill_releases_the_prefill_instance() {
-    let (p, d) = (fake_prefill("p0").await, fake_decode("d0").await);
+    let (p, d) = fakes().await;
     p.set_mode(Mode::Hang);
     let mut config = args(&[&p.url], &[&d.url]);
     config.prefill_timeout_secs = 60.0;
@@ -711,7 +667,7 @@ async fn client_gone_during_prefill_releases_the_prefill_instance() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serve_with_runs_health_checks_and_stops_on_shutdown() {
-    let (p, d) = (fake_prefill("p0").await, fake_decode("d0").await);
+    let (p, d) = fakes().await;
     d.set_healthy(false);
     let state = tandem_proxy::ProxyState::new(args(&[&p.url], &[&d.url]), None).unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

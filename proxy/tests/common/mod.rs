@@ -103,6 +103,11 @@ pub async fn fake_prefill(name: &str) -> Fake {
     start_fake(name, post(prefill_handler)).await
 }
 
+/// One fake prefill instance (`p0`) and one fake decode instance (`d0`).
+pub async fn fakes() -> (Fake, Fake) {
+    (fake_prefill("p0").await, fake_decode("d0").await)
+}
+
 pub async fn fake_decode(name: &str) -> Fake {
     start_fake(name, post(decode_handler)).await
 }
@@ -317,6 +322,16 @@ pub async fn start_proxy(args: ProxyArgs, prometheus: Option<PrometheusHandle>) 
 }
 
 impl Proxy {
+    /// `POST path` with a JSON body, from a fresh client.
+    pub async fn post(&self, path: &str, body: &Value) -> reqwest::Response {
+        client()
+            .post(format!("{}{path}", self.url))
+            .json(body)
+            .send()
+            .await
+            .unwrap()
+    }
+
     /// Waits until no request is in flight on any instance; fails the test after 5 s.
     pub async fn assert_idle(&self) {
         wait_until("every outstanding counter back to zero", || {

@@ -4,22 +4,16 @@
 # transfer bandwidth inside P/D requests against memcpy and process_vm_readv of the same bytes.
 # Usage: scripts/bench.sh [extra tandem-bench flags, e.g. --concurrency 1,16 --max-tokens 64]
 set -euo pipefail
-root=$(cd "$(dirname "$0")/.." && pwd)
-cd "$root"
+source "$(dirname "$0")/common.sh"
 ./scripts/setup.sh >/dev/null
-cargo build --release --locked -p tandem-server 2>&1 | tail -n 1
-bin=target/release/tandem
-pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
-trap cleanup EXIT
-wait_up() { for _ in $(seq 1 600); do curl -sf "$1/health" >/dev/null && return 0; sleep 0.2; done; echo "$1 did not come up"; exit 1; }
+build_release
 serve_args=(--model smollm2-135m --host 127.0.0.1 ${TANDEM_BENCH_SERVE_ARGS:-})
 
 echo "== single instance"
 "$bin" serve "${serve_args[@]}" --port 9100 >/tmp/tandem-bench-single.log 2>&1 & pids+=($!)
 wait_up http://127.0.0.1:9100
 "$bin" bench --url http://127.0.0.1:9100 "$@"
-kill "${pids[@]}"; wait 2>/dev/null || true; pids=()
+cleanup
 
 echo "== 1P1D behind the proxy"
 "$bin" serve "${serve_args[@]}" --port 9200 \

@@ -4,17 +4,11 @@
 # on each side (tandem:kv_checksum_compute_seconds) against the time to first token.
 # Usage: scripts/bench_checksum.sh [tandem-bench flags; default --concurrency 1 --requests 24 --max-tokens 4]
 set -euo pipefail
-root=$(cd "$(dirname "$0")/.." && pwd)
-cd "$root"
+source "$(dirname "$0")/common.sh"
 ./scripts/setup.sh >/dev/null
-cargo build --release --locked -p tandem-server 2>&1 | tail -n 1
-bin=target/release/tandem
+build_release
 args=("$@")
 [ ${#args[@]} -gt 0 ] || args=(--concurrency 1 --requests 24 --max-tokens 4)
-pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; pids=(); }
-trap cleanup EXIT
-wait_up() { for _ in $(seq 1 600); do curl -sf "$1/health" >/dev/null && return 0; sleep 0.2; done; echo "$1 did not come up"; exit 1; }
 metric() { curl -s "$1/metrics" | awk -v n="$2" '$1 == n { print $2 }'; }
 for mode in off on; do
     extra=''

@@ -207,12 +207,10 @@ pub fn build_instance(
         let on = scheduler
             .enable_kv_checksums(&checksums, &groups_for_checksums, WorkerGrid::default())
             .context("--kv-transfer-config")?;
-        tracing::info!(
-            enabled = on,
-            fail_closed = checksums.fail_closed,
-            "KV checksums {}",
-            if on { "on" } else { "off" }
-        );
+        // The scheduler logs the settings when they are on.
+        if !on {
+            tracing::info!("KV checksums off (enable_kv_checksum is not set)");
+        }
     }
     let mut worker: Box<dyn Worker> = Box::new(ModelWorker::new(
         model,

@@ -11,8 +11,13 @@
 //!   make coarse; so the input dimension is rotated by a fixed orthogonal `R` (random signs, then
 //!   a Hadamard transform, per 256-block: [`crate::ops::rotate_blocks`]): the weights are stored
 //!   as `W R`, inputs are rotated likewise, `(x R)(W R)ᵀ = x Wᵀ`. The rotation spreads outliers
-//!   over the block; it raised top-1 agreement with the f32 reference from 91% to 97%
-//!   (models/tests/weight_modes.rs);
+//!   over the block. Teacher-forced over the reference prompts (models/tests/weight_modes.rs) it
+//!   cut the mean KL divergence from the f32 logits from 0.020 to 0.003 (native Q4_1: 0.004) and
+//!   raised top-1 agreement from 354 to 370 of 384 steps. Free-running greedy text still differs
+//!   from f32 wherever a near-tie flips: on "What is the capital of France?" the reference's first
+//!   token wins by 0.08 logits ("The" over "L"), and rotated Q8_0, like native Q4_1, picks "L"
+//!   (unrotated Q8_0 happened to keep "The"); prefill plus step-by-step decode equals one
+//!   teacher-forced forward exactly, so that is a flip, not a decode bug;
 //! - `Native`: kept in the file's quantized type (smallest, but Q4_1/Q5_x kernels are scalar).
 //!
 //! Invariant: a `Linear` computes every input row independently of the other rows (padding,
@@ -27,13 +32,6 @@ use candle_core::{Device, Module, Tensor};
 
 use crate::error::ModelError;
 use crate::ops::{rotate_blocks, unrotate_blocks, HADAMARD_BLOCK};
-
-/// Whether Q8_0 matrices get the input rotation described in the module docs. Off: with it on,
-/// the default model's greedy chat answer to "What is the capital of France?" degenerated
-/// ("L'Étoile, la Marseillaise, la femme, …") although teacher-forced agreement rose; until that
-/// is understood the unrotated, padded Q8_0 (which answers "The capital of France is Paris.")
-/// is the default.
-const ROTATE_Q8_0_INPUTS: bool = false;
 
 /// How weights are held in memory. See the module docs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -240,7 +238,7 @@ impl HostMatrix {
                     p
                 };
                 // Rotate the input dimension (see the module docs) where the tiled kernels run.
-                let rotate = ROTATE_Q8_0_INPUTS && padded.is_multiple_of(HADAMARD_BLOCK);
+                let rotate = padded.is_multiple_of(HADAMARD_BLOCK);
                 let mut v = v;
                 if rotate {
                     rotate_blocks(&mut v);

@@ -18,7 +18,12 @@
 //!   token wins by 0.08 logits ("The" over "L"), and rotated Q8_0, like native Q4_1, picks "L"
 //!   (unrotated Q8_0 happened to keep "The"); prefill plus step-by-step decode equals one
 //!   teacher-forced forward exactly, so that is a flip, not a decode bug;
-//! - `Native`: kept in the file's quantized type (smallest, but Q4_1/Q5_x kernels are scalar).
+//! - `Native`: kept in the file's quantized type: smallest, but it does not batch on the
+//!   default model. candle 0.11.1 has tiled x86 kernels only for Q4_K, Q6_K and Q8_0 and only for
+//!   `cols % 256 == 0`; every other case (Q4_1, the default file's type, and any type at 576
+//!   columns) runs a per-row dot-product kernel, scalar for Q4_1, so 16 rows cost about 16 times
+//!   one row (batch 16 ÷ batch 1 ≈ 1.2x, BENCHMARKS.md). Whether a Q4_K/Q8_0 file with
+//!   256-multiple widths batches in this mode has not been measured.
 //!
 //! Invariant: a `Linear` computes every input row independently of the other rows (padding,
 //! rotation and activation quantization are per row), so a token's output does not depend on
@@ -42,6 +47,8 @@ pub enum WeightMode {
     #[default]
     Q8_0,
     /// Matrices kept in the file's quantized type; f32 for unquantized (safetensors) files.
+    /// On a Q4_1 file (the default model) this does not batch: candle's Q4_1 kernel is a scalar
+    /// per-row dot product, so aggregate decode at 16 streams is ~1.2x batch 1 (module docs).
     Native,
 }
 

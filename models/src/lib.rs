@@ -7,7 +7,7 @@
 //! - [`llama`]: the Llama family. One module per architecture.
 //! - [`attention`]: CPU paged attention over [`tandem_kv_cache::KvStorage`].
 //! - [`ops`]: RMSNorm, RoPE, SwiGLU and small vector kernels.
-//! - [`weights`]: weight modes and matrices ([`WeightMode`]).
+//! - [`weights`]: weight modes and matrices ([`WeightMode`]); `q4_1`: our batched Q4_1 matmul.
 //! - [`gguf`], `hf`: file formats.
 //! - [`tokenizer`], [`chat_template`]: text in and out.
 //!
@@ -24,6 +24,7 @@ pub mod llama;
 pub mod loader;
 pub mod model;
 pub mod ops;
+mod q4_1;
 pub mod tokenizer;
 pub mod weights;
 

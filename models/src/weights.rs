@@ -12,22 +12,28 @@
 //!   a Hadamard transform, per 256-block: [`crate::ops::rotate_blocks`]): the weights are stored
 //!   as `W R`, inputs are rotated likewise, `(x R)(W R)ᵀ = x Wᵀ`. The rotation spreads outliers
 //!   over the block. Teacher-forced over the reference prompts (models/tests/weight_modes.rs) it
-//!   cut the mean KL divergence from the f32 logits from 0.020 to 0.003 (native Q4_1: 0.004) and
-//!   raised top-1 agreement from 354 to 370 of 384 steps. Free-running greedy text still differs
-//!   from f32 wherever a near-tie flips: on "What is the capital of France?" the reference's first
-//!   token wins by 0.08 logits ("The" over "L"), and rotated Q8_0, like native Q4_1, picks "L"
-//!   (unrotated Q8_0 happened to keep "The"); prefill plus step-by-step decode equals one
-//!   teacher-forced forward exactly, so that is a flip, not a decode bug;
-//! - `Native`: kept in the file's quantized type: smallest, but it does not batch on the
-//!   default model. candle 0.11.1 has tiled x86 kernels only for Q4_K, Q6_K and Q8_0 and only for
-//!   `cols % 256 == 0`; every other case (Q4_1, the default file's type, and any type at 576
-//!   columns) runs a per-row dot-product kernel, scalar for Q4_1, so 16 rows cost about 16 times
-//!   one row (batch 16 ÷ batch 1 ≈ 1.2x, BENCHMARKS.md). Whether a Q4_K/Q8_0 file with
-//!   256-multiple widths batches in this mode has not been measured.
+//!   cut the mean KL divergence from the f32 logits from 0.020 to 0.003 and raised top-1
+//!   agreement from 354 to 370 of 384 steps. Free-running greedy text still differs from f32
+//!   wherever a near-tie flips: on "What is the capital of France?" the reference's first token
+//!   wins by 0.08 logits ("The" over "L"), and rotated Q8_0 picks "L" (as native Q4_1 did
+//!   through candle's kernel, which quantized activations to 8 bits; unrotated Q8_0 happened to
+//!   keep "The"); prefill plus step-by-step decode equals one teacher-forced forward exactly, so
+//!   that is a flip, not a decode bug;
+//! - `Native`: kept in the file's quantized type: the smallest. Q4_1 (the default file's type)
+//!   is multiplied by our own batched kernel (`q4_1.rs`): f32 activations, each block
+//!   dequantized once per pass and applied to up to 8 input rows, so rows share the weight
+//!   reads and the dequantization (batch 16 ÷ batch 1 in BENCHMARKS.md). Without activation
+//!   quantization it is closer to f32 than Q8_0 (mean KL 0.0005, 376/384 top-1, same test).
+//!   Other quantized types go through candle's `QMatMul`: candle 0.11.1 has tiled x86 kernels
+//!   only for Q4_K, Q6_K and Q8_0 and only for `cols % 256 == 0`; everything else runs a per-row
+//!   dot-product kernel that does not batch (measured for Q4_1 before our kernel: batch 16 ÷
+//!   batch 1 ≈ 1.1x). Whether a Q4_K/Q8_0 file with 256-multiple widths batches in this mode
+//!   has not been measured.
 //!
 //! Invariant: a `Linear` computes every input row independently of the other rows (padding,
-//! rotation and activation quantization are per row), so a token's output does not depend on
-//! what else is in the batch.
+//! rotation and activation quantization are per row; the Q4_1 kernel sums every output in one
+//! fixed order whatever the tile), so a token's output does not depend on what else is in the
+//! batch.
 
 use std::borrow::Cow;
 use std::sync::Arc;
@@ -37,6 +43,7 @@ use candle_core::{Device, Module, Tensor};
 
 use crate::error::ModelError;
 use crate::ops::{rotate_blocks, unrotate_blocks, HADAMARD_BLOCK};
+use crate::q4_1::Q4_1Matrix;
 
 /// How weights are held in memory. See the module docs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -47,8 +54,8 @@ pub enum WeightMode {
     #[default]
     Q8_0,
     /// Matrices kept in the file's quantized type; f32 for unquantized (safetensors) files.
-    /// On a Q4_1 file (the default model) this does not batch: candle's Q4_1 kernel is a scalar
-    /// per-row dot product, so aggregate decode at 16 streams is ~1.2x batch 1 (module docs).
+    /// Q4_1 (the default model) runs our batched kernel with f32 activations (module docs);
+    /// other quantized types run candle's `QMatMul`.
     Native,
 }
 
@@ -222,6 +229,13 @@ impl HostMatrix {
                 };
                 Weight::F32(Tensor::from_vec(v, (rows, cols), &Device::Cpu)?)
             }
+            (
+                WeightMode::Native,
+                MatData::Quant {
+                    dtype: GgmlDType::Q4_1,
+                    bytes,
+                },
+            ) => Weight::Q4_1(Arc::new(Q4_1Matrix::new(rows, cols, bytes)?)),
             (WeightMode::Native, MatData::Quant { dtype, bytes }) => Weight::Quant {
                 q: Arc::new(quant_tensor(dtype, &bytes, rows, cols)?),
                 rotated: false,
@@ -292,6 +306,8 @@ enum Weight {
     /// `[out, in_padded]` quantized; `rotated`: the input dimension is multiplied by a
     /// block-diagonal Hadamard matrix (inputs are rotated likewise before the matmul).
     Quant { q: Arc<QTensor>, rotated: bool },
+    /// `[out, in]` Q4_1 as stored, multiplied by our batched kernel ([`Q4_1Matrix`]).
+    Q4_1(Arc<Q4_1Matrix>),
 }
 
 /// `y = x Wᵀ` for a weight `W` of `[out_dim, in_dim]`.
@@ -306,7 +322,7 @@ impl Linear {
     /// The width the weight is stored with (`in_dim` or padded).
     fn stored_in_dim(&self) -> usize {
         match &self.weight {
-            Weight::F32(_) => self.in_dim,
+            Weight::F32(_) | Weight::Q4_1(_) => self.in_dim,
             Weight::Quant { q, .. } => q.shape().dims()[1],
         }
     }
@@ -316,6 +332,7 @@ impl Linear {
         match &self.weight {
             Weight::F32(t) => t.elem_count() * 4,
             Weight::Quant { q, .. } => q.storage_size_in_bytes(),
+            Weight::Q4_1(w) => w.size_in_bytes(),
         }
     }
 
@@ -324,6 +341,9 @@ impl Linear {
         debug_assert_eq!(x.len(), m * self.in_dim);
         if m == 0 {
             return Ok(Vec::new());
+        }
+        if let Weight::Q4_1(w) = &self.weight {
+            return Ok(w.matmul(x, m));
         }
         let k = self.stored_in_dim();
         let mut input = if k == self.in_dim {
@@ -344,6 +364,7 @@ impl Linear {
                 let xt = Tensor::from_vec(input, (m, k), &Device::Cpu)?;
                 QMatMul::QTensor(q.clone()).forward(&xt)?
             }
+            Weight::Q4_1(_) => unreachable!("returned above"),
         };
         Ok(y.flatten_all()?.to_vec1()?)
     }
@@ -361,6 +382,7 @@ impl Linear {
         let (rows, rotated) = match &self.weight {
             Weight::F32(w) => (w.index_select(&idx, 0)?, false),
             Weight::Quant { q, rotated } => (q.embedding(&idx)?, *rotated),
+            Weight::Q4_1(w) => return Ok(w.dequantize_rows(ids)),
         };
         let k = self.stored_in_dim();
         let mut v: Vec<f32> = rows.flatten_all()?.to_vec1()?;

@@ -1,0 +1,482 @@
+//! A Q4_1 matrix held as the file stores it, and its batched matmul `y = x Wᵀ` with f32 inputs.
+//!
+//! - Layout (ggml's `block_q4_1`, 20 bytes per 32 values): f16 scale `d`, f16 minimum `m`, then
+//!   16 bytes whose low nibbles are values 0..16 and high nibbles values 16..32 of the block;
+//!   value = `d * q + m`. A row is `cols / 32` blocks; rows follow each other.
+//! - Kernel: a block is dequantized to f32 once per pass (two 16-lane halves, `q.mul_add(d, m)`;
+//!   AVX-512 looks each nibble up in the block's table of `i.mul_add(d, m)`, the same values)
+//!   and multiplied into 16-lane accumulators of up to 8 input rows, for 2 or 4 weight rows at a
+//!   time (AVX-512 where compiled in; portable code with the same arithmetic otherwise). The
+//!   inputs stay f32: no activation quantization. Work is split into groups of output rows
+//!   on candle's thread pool (the one its matmuls and our attention use); a group's weights
+//!   stay in cache while every tile of input rows passes over them.
+//!
+//! Invariant: every output `y[r][o]` is computed by the same sequence of operations whatever
+//! the batch: lane `l` accumulates `w·x` over blocks in order (low half, then high half, each a
+//! fused multiply-add), then the 16 lanes are summed by one fixed tree. Tile shapes only decide
+//! which outputs share a pass, so a row's result is bit-identical alone or in any batch.
+
+use half::f16;
+
+use crate::error::ModelError;
+
+/// Values per block.
+const QK: usize = 32;
+/// Bytes per block: `d`, `m` (f16 each), 16 bytes of nibbles.
+const BLOCK_BYTES: usize = 20;
+/// Output rows per parallel work item.
+const GROUP: usize = 32;
+/// Input rows per pass over a group's weights.
+const MT: usize = 8;
+
+/// A `[rows, cols]` Q4_1 matrix (rows = output features).
+#[derive(Debug, Clone)]
+pub(crate) struct Q4_1Matrix {
+    rows: usize,
+    cols: usize,
+    bytes: Vec<u8>,
+}
+
+impl Q4_1Matrix {
+    pub fn new(rows: usize, cols: usize, bytes: Vec<u8>) -> Result<Self, ModelError> {
+        if !cols.is_multiple_of(QK) || bytes.len() != rows * cols / QK * BLOCK_BYTES {
+            return Err(ModelError::format(format!(
+                "Q4_1 matrix [{rows}, {cols}] given {} bytes",
+                bytes.len()
+            )));
+        }
+        Ok(Q4_1Matrix { rows, cols, bytes })
+    }
+
+    /// Bytes of the matrix in memory.
+    pub fn size_in_bytes(&self) -> usize {
+        self.bytes.len()
+    }
+
+    fn row(&self, r: usize) -> &[u8] {
+        let rb = self.cols / QK * BLOCK_BYTES;
+        &self.bytes[r * rb..(r + 1) * rb]
+    }
+
+    /// Rows `ids` as f32 (`[ids.len(), cols]`); every id must be `< rows`.
+    pub fn dequantize_rows(&self, ids: &[u32]) -> Vec<f32> {
+        let mut out = Vec::with_capacity(ids.len() * self.cols);
+        for &id in ids {
+            for blk in self.row(id as usize).chunks_exact(BLOCK_BYTES) {
+                let (d, m) = scale_min(blk);
+                let qs = &blk[4..];
+                out.extend(qs.iter().map(|&q| f32::from(q & 15).mul_add(d, m)));
+                out.extend(qs.iter().map(|&q| f32::from(q >> 4).mul_add(d, m)));
+            }
+        }
+        out
+    }
+
+    /// `y = x Wᵀ`: `x` holds `m` rows of `cols`; returns `m` rows of `rows`.
+    pub fn matmul(&self, x: &[f32], m: usize) -> Vec<f32> {
+        assert_eq!(x.len(), m * self.cols, "Q4_1 matmul input size");
+        let n = self.rows;
+        let mut y = vec![0f32; m * n];
+        let out = OutPtr(y.as_mut_ptr());
+        let items = n.div_ceil(GROUP);
+        candle_core::utils::barrier_pool().execute_chunked(items, |range| {
+            for g in range {
+                let rows = g * GROUP..((g + 1) * GROUP).min(n);
+                // SAFETY: item `g` writes only columns `rows` of `y` (m rows of n), and items
+                // partition the columns; `y` outlives `execute_chunked`, which returns after
+                // every item ran.
+                unsafe { self.group(x, m, rows, &out) };
+            }
+        });
+        y
+    }
+
+    /// Columns `orows` of every output row.
+    ///
+    /// # Safety
+    /// `out` points at `m * self.rows` f32 that nobody else reads or writes in columns `orows`
+    /// while this runs.
+    unsafe fn group(&self, x: &[f32], m: usize, orows: std::ops::Range<usize>, out: &OutPtr) {
+        let (k, n) = (self.cols, self.rows);
+        let mut r0 = 0;
+        while r0 < m {
+            let mt = (m - r0).min(MT);
+            let xt = &x[r0 * k..(r0 + mt) * k];
+            let mut o = orows.start;
+            while o < orows.end {
+                let left = orows.end - o;
+                let mut sums = [[0f32; 4]; MT];
+                let nr = match (mt, left) {
+                    (_, 1) => {
+                        tile_dispatch::<1>(self, o, xt, mt, &mut sums);
+                        1
+                    }
+                    (5.., 2..) | (_, 2 | 3) => {
+                        tile_dispatch::<2>(self, o, xt, mt, &mut sums);
+                        2
+                    }
+                    _ => {
+                        tile_dispatch::<4>(self, o, xt, mt, &mut sums);
+                        4
+                    }
+                };
+                for (r, s) in sums.iter().enumerate().take(mt) {
+                    for (j, &v) in s.iter().enumerate().take(nr) {
+                        // SAFETY: (r0 + r) < m and o + j < orows.end <= n: inside `out`, in
+                        // this group's columns (the caller's contract).
+                        unsafe { *out.0.add((r0 + r) * n + o + j) = v };
+                    }
+                }
+                o += nr;
+            }
+            r0 += mt;
+        }
+    }
+}
+
+/// The output buffer, shared by the pool's threads; each writes its own columns.
+struct OutPtr(*mut f32);
+// SAFETY: the pointer is only written through at disjoint indices (see `Q4_1Matrix::matmul`).
+unsafe impl Sync for OutPtr {}
+unsafe impl Send for OutPtr {}
+
+/// `d` and `m` of a block.
+fn scale_min(blk: &[u8]) -> (f32, f32) {
+    (
+        f16::from_le_bytes([blk[0], blk[1]]).to_f32(),
+        f16::from_le_bytes([blk[2], blk[3]]).to_f32(),
+    )
+}
+
+/// Weight rows `o..o + NR` against the `mt` rows of `xt`: `sums[r][j] = x_r · w_{o+j}`.
+fn tile_dispatch<const NR: usize>(
+    w: &Q4_1Matrix,
+    o: usize,
+    xt: &[f32],
+    mt: usize,
+    sums: &mut [[f32; 4]; MT],
+) {
+    let rows: [&[u8]; NR] = std::array::from_fn(|j| w.row(o + j));
+    macro_rules! go {
+        ($($m:literal)|*) => {
+            match mt {
+                $($m => tile::<NR, $m>(rows, xt, sums),)*
+                _ => unreachable!("tile of {mt} rows"),
+            }
+        };
+    }
+    go!(1 | 2 | 3 | 4 | 5 | 6 | 7 | 8)
+}
+
+#[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
+fn tile<const NR: usize, const M: usize>(rows: [&[u8]; NR], xt: &[f32], sums: &mut [[f32; 4]; MT]) {
+    simd::tile::<NR, M>(rows, xt, sums)
+}
+
+#[cfg(not(all(target_arch = "x86_64", target_feature = "avx512f")))]
+fn tile<const NR: usize, const M: usize>(rows: [&[u8]; NR], xt: &[f32], sums: &mut [[f32; 4]; MT]) {
+    portable::tile::<NR, M>(rows, xt, sums)
+}
+
+/// Sum of 16 lanes by the fixed tree: halves added pairwise (lane `i` + lane `i + 8`, then
+/// `i + 4`, `i + 2`, `i + 1`). The AVX-512 reduction computes exactly this.
+fn tree_sum(mut p: [f32; 16]) -> f32 {
+    let mut s = 8;
+    while s > 0 {
+        for i in 0..s {
+            p[i] += p[i + s];
+        }
+        s /= 2;
+    }
+    p[0]
+}
+
+/// The kernel in plain Rust, with the same operations in the same order as the AVX-512 one
+/// (used where AVX-512 is not compiled in, and by the tests as its reference).
+#[cfg_attr(
+    all(target_arch = "x86_64", target_feature = "avx512f"),
+    allow(dead_code)
+)]
+mod portable {
+    use super::{scale_min, tree_sum, BLOCK_BYTES, MT, QK};
+
+    pub(super) fn tile<const NR: usize, const M: usize>(
+        rows: [&[u8]; NR],
+        xt: &[f32],
+        sums: &mut [[f32; 4]; MT],
+    ) {
+        let k = xt.len() / M;
+        let mut acc = [[[0f32; 16]; NR]; M];
+        for b in 0..k / QK {
+            let mut lo = [[0f32; 16]; NR];
+            let mut hi = [[0f32; 16]; NR];
+            for j in 0..NR {
+                let blk = &rows[j][b * BLOCK_BYTES..(b + 1) * BLOCK_BYTES];
+                let (d, m) = scale_min(blk);
+                for l in 0..16 {
+                    lo[j][l] = f32::from(blk[4 + l] & 15).mul_add(d, m);
+                    hi[j][l] = f32::from(blk[4 + l] >> 4).mul_add(d, m);
+                }
+            }
+            for r in 0..M {
+                let xb = &xt[r * k + b * QK..][..QK];
+                for j in 0..NR {
+                    for l in 0..16 {
+                        acc[r][j][l] = lo[j][l].mul_add(xb[l], acc[r][j][l]);
+                        acc[r][j][l] = hi[j][l].mul_add(xb[16 + l], acc[r][j][l]);
+                    }
+                }
+            }
+        }
+        for r in 0..M {
+            for j in 0..NR {
+                sums[r][j] = tree_sum(acc[r][j]);
+            }
+        }
+    }
+}
+
+#[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
+mod simd {
+    use std::arch::x86_64::*;
+
+    use super::{BLOCK_BYTES, MT, QK};
+
+    /// AVX-512 form of `portable::tile`.
+    #[inline(always)]
+    pub(super) fn tile<const NR: usize, const M: usize>(
+        rows: [&[u8]; NR],
+        xt: &[f32],
+        sums: &mut [[f32; 4]; MT],
+    ) {
+        let k = xt.len() / M;
+        let nb = k / QK;
+        assert!(M <= MT && NR <= 4 && M * NR <= 16 && xt.len() == M * k && k.is_multiple_of(QK));
+        assert!(rows.iter().all(|r| r.len() == nb * BLOCK_BYTES));
+        // SAFETY: a block `b < nb` of row `j` is read at bytes `b * 20 + 4..b * 20 + 20` of
+        // `rows[j]` (length `nb * 20`), inputs at `xt[r * k + b * 32..][..32]` with `r < M`
+        // (length `M * k`): all in bounds by the asserts. AVX-512F is enabled for this
+        // compilation (cfg on the module).
+        unsafe {
+            // `iota[i] = i`: a block's 16 possible values `fma(i, d, m)` form a table that
+            // `vpermps` indexes by the low 4 bits of each lane (the nibble), which gives
+            // exactly `fma(q, d, m)` without converting every nibble.
+            let iota = _mm512_setr_ps(
+                0., 1., 2., 3., 4., 5., 6., 7., 8., 9., 10., 11., 12., 13., 14., 15.,
+            );
+            let mut acc = [[_mm512_setzero_ps(); NR]; M];
+            for b in 0..nb {
+                let mut lo = [_mm512_setzero_ps(); NR];
+                let mut hi = [_mm512_setzero_ps(); NR];
+                for j in 0..NR {
+                    let blk = rows[j].as_ptr().add(b * BLOCK_BYTES);
+                    let dm = _mm512_cvtph_ps(_mm256_castsi128_si256(_mm_cvtsi32_si128(
+                        blk.cast::<i32>().read_unaligned(),
+                    )));
+                    let d = _mm512_broadcastss_ps(_mm512_castps512_ps128(dm));
+                    let m = _mm512_permutexvar_ps(_mm512_set1_epi32(1), dm);
+                    let table = _mm512_fmadd_ps(iota, d, m);
+                    let q = _mm512_cvtepu8_epi32(_mm_loadu_si128(blk.add(4).cast()));
+                    lo[j] = _mm512_permutexvar_ps(q, table);
+                    hi[j] = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(q), table);
+                }
+                for (r, acc_r) in acc.iter_mut().enumerate() {
+                    let xp = xt.as_ptr().add(r * k + b * QK);
+                    let (xl, xh) = (_mm512_loadu_ps(xp), _mm512_loadu_ps(xp.add(16)));
+                    for j in 0..NR {
+                        acc_r[j] = _mm512_fmadd_ps(lo[j], xl, acc_r[j]);
+                        acc_r[j] = _mm512_fmadd_ps(hi[j], xh, acc_r[j]);
+                    }
+                }
+            }
+            // Reduce up to 16 accumulators at once; unused slots are zero and never mix with
+            // the others (each output lane sums only its own vector's lanes).
+            let mut v = [_mm512_setzero_ps(); 16];
+            for r in 0..M {
+                for j in 0..NR {
+                    v[r * NR + j] = acc[r][j];
+                }
+            }
+            let mut out = [0f32; 16];
+            reduce16(&v, &mut out);
+            for r in 0..M {
+                sums[r][..NR].copy_from_slice(&out[r * NR..(r + 1) * NR]);
+            }
+        }
+    }
+
+    /// `out[t]` = the 16 lanes of `v[t]` summed by `tree_sum`'s tree: lane `i` + lane `i + 8`,
+    /// then `+ 4`, `+ 2`, `+ 1`, done for all 16 vectors together by transposing adds.
+    #[inline(always)]
+    unsafe fn reduce16(v: &[__m512; 16], out: &mut [f32; 16]) {
+        // SAFETY: register operations and one 16-f32 store into `out`; AVX-512F is enabled.
+        unsafe {
+            // a_i: lanes 0..8 = v[2i] halves added, lanes 8..16 = v[2i+1] halves added
+            let a: [__m512; 8] = std::array::from_fn(|i| {
+                let (x, y) = (v[2 * i], v[2 * i + 1]);
+                _mm512_add_ps(
+                    _mm512_shuffle_f32x4::<0x44>(x, y),
+                    _mm512_shuffle_f32x4::<0xEE>(x, y),
+                )
+            });
+            // b_i: 128-bit quarter q holds vector 4i + q (lanes i + 4 added in)
+            let b: [__m512; 4] = std::array::from_fn(|i| {
+                let (x, y) = (a[2 * i], a[2 * i + 1]);
+                _mm512_add_ps(
+                    _mm512_shuffle_f32x4::<0x88>(x, y),
+                    _mm512_shuffle_f32x4::<0xDD>(x, y),
+                )
+            });
+            // c0 quarter q: [v q, v 4+q, v q, v 4+q] (lanes i + 2 added), c1 for 8+q, 12+q
+            let c0 = _mm512_add_ps(
+                _mm512_unpacklo_ps(b[0], b[1]),
+                _mm512_unpackhi_ps(b[0], b[1]),
+            );
+            let c1 = _mm512_add_ps(
+                _mm512_unpacklo_ps(b[2], b[3]),
+                _mm512_unpackhi_ps(b[2], b[3]),
+            );
+            // quarter q: vectors [q, 8+q, 4+q, 12+q], fully summed
+            let z = _mm512_add_ps(_mm512_unpacklo_ps(c0, c1), _mm512_unpackhi_ps(c0, c1));
+            let idx = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 1, 5, 9, 13, 3, 7, 11, 15);
+            _mm512_storeu_ps(out.as_mut_ptr(), _mm512_permutexvar_ps(idx, z));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Deterministic pseudo-random numbers (xorshift).
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+        fn f(&mut self) -> f32 {
+            (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+        }
+    }
+
+    /// Random Q4_1 blocks: random nibbles, scales in (0, 0.05], minimums in [-0.4, 0.4].
+    fn random_matrix(rows: usize, cols: usize, seed: u64) -> Q4_1Matrix {
+        let mut rng = Rng(seed);
+        let mut bytes = Vec::with_capacity(rows * cols / QK * BLOCK_BYTES);
+        for _ in 0..rows * cols / QK {
+            let d = f16::from_f32(0.025 * (rng.f() + 1.0) + 1e-3);
+            let m = f16::from_f32(0.4 * rng.f());
+            bytes.extend(d.to_le_bytes());
+            bytes.extend(m.to_le_bytes());
+            bytes.extend((0..16).map(|_| rng.next() as u8));
+        }
+        Q4_1Matrix::new(rows, cols, bytes).unwrap()
+    }
+
+    fn random_input(m: usize, k: usize, seed: u64) -> Vec<f32> {
+        let mut rng = Rng(seed);
+        (0..m * k).map(|_| rng.f()).collect()
+    }
+
+    /// Dequantize from the block layout directly, then f64 dots.
+    fn naive(w: &Q4_1Matrix, x: &[f32], m: usize) -> Vec<f64> {
+        let k = w.cols;
+        let mut wf = vec![0f64; w.rows * k];
+        for (i, blk) in w.bytes.chunks_exact(BLOCK_BYTES).enumerate() {
+            let d = f16::from_le_bytes([blk[0], blk[1]]).to_f64();
+            let mn = f16::from_le_bytes([blk[2], blk[3]]).to_f64();
+            for j in 0..16 {
+                wf[i * QK + j] = d * f64::from(blk[4 + j] & 0x0F) + mn;
+                wf[i * QK + j + 16] = d * f64::from(blk[4 + j] >> 4) + mn;
+            }
+        }
+        let mut y = vec![0f64; m * w.rows];
+        for r in 0..m {
+            for o in 0..w.rows {
+                y[r * w.rows + o] = (0..k)
+                    .map(|c| wf[o * k + c] * f64::from(x[r * k + c]))
+                    .sum();
+            }
+        }
+        y
+    }
+
+    #[test]
+    fn matmul_matches_dequantized_dot() {
+        for (rows, cols) in [(37, 96), (1, 32), (67, 576), (130, 1536)] {
+            let w = random_matrix(rows, cols, 7 + rows as u64);
+            for m in [1, 3, 16, 200] {
+                let x = random_input(m, cols, 99 + m as u64);
+                let got = w.matmul(&x, m);
+                let want = naive(&w, &x, m);
+                // relative to the size of the terms: cancellation makes small sums noisy
+                let scale = (cols as f64).sqrt() * 0.5;
+                for (i, (&g, &e)) in got.iter().zip(&want).enumerate() {
+                    let err = (f64::from(g) - e).abs() / e.abs().max(scale);
+                    assert!(err < 1e-4, "[{rows}, {cols}] m={m} #{i}: {g} vs {e}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_row_is_the_same_alone_and_in_any_batch() {
+        let (rows, cols) = (75, 576); // not a multiple of any tile
+        let w = random_matrix(rows, cols, 3);
+        let x = random_input(200, cols, 4);
+        let in_200 = w.matmul(&x, 200);
+        for m in [1, 3, 16, 200] {
+            let batch = w.matmul(&x[..m * cols], m);
+            for r in [0, m / 2, m - 1] {
+                let alone = w.matmul(&x[r * cols..(r + 1) * cols], 1);
+                assert_eq!(
+                    &batch[r * rows..(r + 1) * rows],
+                    &alone[..],
+                    "m={m} row {r}"
+                );
+                assert_eq!(
+                    &in_200[r * rows..(r + 1) * rows],
+                    &alone[..],
+                    "m={m} row {r}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn compiled_kernel_equals_the_portable_one() {
+        let (rows, cols) = (11, 160);
+        let w = random_matrix(rows, cols, 5);
+        let x = random_input(MT, cols, 6);
+        let got = w.matmul(&x, MT);
+        for o in 0..rows {
+            let mut sums = [[0f32; 4]; MT];
+            portable::tile::<1, MT>([w.row(o)], &x, &mut sums);
+            for r in 0..MT {
+                assert_eq!(got[r * rows + o].to_bits(), sums[r][0].to_bits(), "{r} {o}");
+            }
+        }
+    }
+
+    #[test]
+    fn dequantized_rows_follow_the_layout() {
+        let w = random_matrix(5, 64, 8);
+        let got = w.dequantize_rows(&[4, 1]);
+        let eye: Vec<f32> = (0..64 * 64)
+            .map(|i| if i % 65 == 0 { 1.0 } else { 0.0 })
+            .collect();
+        // W·e_c = column c of W: the matmul against the identity reads every weight back
+        let all = w.matmul(&eye, 64);
+        for c in 0..64 {
+            assert_eq!(got[c], all[c * 5 + 4]);
+            assert_eq!(got[64 + c], all[c * 5 + 1]);
+        }
+        let naive_w = naive(&w, &eye, 64);
+        for c in 0..64 {
+            assert!((f64::from(got[c]) - naive_w[c * 5 + 4]).abs() < 1e-6);
+        }
+    }
+}

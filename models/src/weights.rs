@@ -22,9 +22,11 @@
 //! - `Native`: kept in the file's quantized type: the smallest. Q4_1 (the default file's type)
 //!   is multiplied by our own batched kernel (`q4_1.rs`): f32 activations, each block
 //!   dequantized once per pass and applied to up to 8 input rows, so rows share the weight
-//!   reads and the dequantization (batch 16 ÷ batch 1: 3.1x, BENCHMARKS.md). Without activation
-//!   quantization it is closer to f32 than Q8_0 (mean KL 0.0005, 376/384 top-1, same test).
-//!   Other quantized types go through candle's `QMatMul`: candle 0.11.1 has tiled x86 kernels
+//!   reads and the dequantization. Without activation quantization it is closer to f32 than
+//!   Q8_0 (mean KL 0.0005, 376–380/384 top-1, same test). Q8_0 matrices (SmolLM2's tied
+//!   embedding, its lm_head) take the `Q8_0` mode's padded, rotated form: as stored, 576 wide,
+//!   candle runs them untiled, and the lm_head alone held native's batch 16 ÷ batch 1 at 3.1x
+//!   (4.1x with it padded, BENCHMARKS.md). Other quantized types go through candle's `QMatMul`: candle 0.11.1 has tiled x86 kernels
 //!   only for Q4_K, Q6_K and Q8_0 and only for `cols % 256 == 0`; everything else runs a per-row
 //!   dot-product kernel that does not batch (measured for Q4_1 before our kernel: batch 16 ÷
 //!   batch 1 ≈ 1.1x). Whether a Q4_K/Q8_0 file with 256-multiple widths batches in this mode
@@ -54,9 +56,10 @@ pub enum WeightMode {
     #[default]
     Q8_0,
     /// Matrices kept in the file's quantized type; f32 for unquantized (safetensors) files.
-    /// Q4_1 (the default model) runs our batched kernel with f32 activations (module docs):
-    /// aggregate decode at 16 streams is 3.1x batch 1 (below the 4x bar; 1.1x with candle's
-    /// kernel), prefill ~600 tok/s (BENCHMARKS.md). Other quantized types run candle's `QMatMul`.
+    /// Q4_1 (the default model) runs our batched kernel with f32 activations; Q8_0 matrices
+    /// take the `Q8_0` mode's padded form (module docs): aggregate decode at 16 streams is 4.1x
+    /// batch 1 (1.1x with candle's kernels), prefill ~660 tok/s (BENCHMARKS.md). Other quantized
+    /// types run candle's `QMatMul` as stored.
     Native,
 }
 
@@ -237,11 +240,16 @@ impl HostMatrix {
                     bytes,
                 },
             ) => Weight::Q4_1(Arc::new(Q4_1Matrix::new(rows, cols, bytes)?)),
-            (WeightMode::Native, MatData::Quant { dtype, bytes }) => Weight::Quant {
-                q: Arc::new(quant_tensor(dtype, &bytes, rows, cols)?),
-                rotated: false,
-            },
-            (WeightMode::Q8_0, data) => {
+            // Q8_0 matrices of a native file (SmolLM2's tied embedding / lm_head) take the Q8_0
+            // mode's padded, rotated form: as stored (576 wide) candle runs them untiled.
+            (WeightMode::Q8_0, data)
+            | (
+                WeightMode::Native,
+                data @ MatData::Quant {
+                    dtype: GgmlDType::Q8_0,
+                    ..
+                },
+            ) => {
                 let v = match data {
                     MatData::F32(v) => v,
                     MatData::Quant { dtype, bytes } => quant_tensor(dtype, &bytes, rows, cols)?
@@ -271,6 +279,10 @@ impl HostMatrix {
                     rotated: rotate,
                 }
             }
+            (WeightMode::Native, MatData::Quant { dtype, bytes }) => Weight::Quant {
+                q: Arc::new(quant_tensor(dtype, &bytes, rows, cols)?),
+                rotated: false,
+            },
         };
         Ok(Linear {
             weight,
@@ -502,10 +514,17 @@ mod native_tests {
                     .forward(&x, m_rows)
                     .unwrap();
                 let got = m
+                    .clone()
                     .into_linear(WeightMode::Native)
                     .unwrap()
                     .forward(&x, m_rows)
                     .unwrap();
+                if dt == GgmlDType::Q8_0 {
+                    // a native Q8_0 matrix is the Q8_0 mode's padded, rotated one
+                    let q8 = m.into_linear(WeightMode::Q8_0).unwrap();
+                    assert_eq!(got, q8.forward(&x, m_rows).unwrap(), "[{rows}, {cols}]");
+                    continue;
+                }
                 let d = got
                     .iter()
                     .zip(&want)

@@ -11,8 +11,7 @@ mod common;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use common::Server;
-use futures::StreamExt;
+use common::{sse_events, Server};
 use serde_json::{json, Value};
 
 /// The model step that panics: late enough that both requests below were submitted and run.
@@ -23,25 +22,6 @@ fn client() -> reqwest::Client {
         .timeout(Duration::from_secs(300))
         .build()
         .unwrap()
-}
-
-/// Reads an SSE body into its `data:` payloads.
-async fn sse_events(resp: reqwest::Response) -> Vec<String> {
-    let mut out = Vec::new();
-    let mut buf = String::new();
-    let mut stream = resp.bytes_stream();
-    while let Some(chunk) = stream.next().await {
-        buf.push_str(&String::from_utf8_lossy(&chunk.unwrap()));
-        while let Some(i) = buf.find("\n\n") {
-            let ev: String = buf.drain(..i + 2).collect();
-            for line in ev.lines() {
-                if let Some(d) = line.strip_prefix("data: ") {
-                    out.push(d.to_string());
-                }
-            }
-        }
-    }
-    out
 }
 
 /// Asserts an OpenAI error envelope with `code` and `kind`.

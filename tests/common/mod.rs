@@ -201,3 +201,22 @@ pub fn http_get_status(url: &str) -> Option<u16> {
         .nth(1)
         .and_then(|c| c.parse().ok())
 }
+
+/// Reads an SSE body into its `data:` payloads.
+pub async fn sse_events(resp: reqwest::Response) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut buf = String::new();
+    let mut stream = resp.bytes_stream();
+    while let Some(chunk) = futures::StreamExt::next(&mut stream).await {
+        buf.push_str(&String::from_utf8_lossy(&chunk.unwrap()));
+        while let Some(i) = buf.find("\n\n") {
+            let ev: String = buf.drain(..i + 2).collect();
+            for line in ev.lines() {
+                if let Some(d) = line.strip_prefix("data: ") {
+                    out.push(d.to_string());
+                }
+            }
+        }
+    }
+    out
+}

@@ -189,37 +189,8 @@ mod simd {
                 }
                 *vt = a;
             }
-            // level 1: w_i quarters 0-1 hold key 2i (8 partials), quarters 2-3 key 2i+1
-            let mut w = [_mm512_setzero_ps(); 8];
-            for i in 0..8 {
-                let (a, b) = (v[2 * i], v[2 * i + 1]);
-                w[i] = _mm512_add_ps(
-                    _mm512_shuffle_f32x4::<0x44>(a, b),
-                    _mm512_shuffle_f32x4::<0xEE>(a, b),
-                );
-            }
-            // level 2: x_m quarter j holds key 4m + j (4 partials)
-            let mut x = [_mm512_setzero_ps(); 4];
-            for m in 0..4 {
-                let (a, b) = (w[2 * m], w[2 * m + 1]);
-                x[m] = _mm512_add_ps(
-                    _mm512_shuffle_f32x4::<0x88>(a, b),
-                    _mm512_shuffle_f32x4::<0xDD>(a, b),
-                );
-            }
-            // level 3: y0 quarter j = [j, j+4, j, j+4] (2 partials), y1 the same for j+8, j+12
-            let y0 = _mm512_add_ps(
-                _mm512_unpacklo_ps(x[0], x[1]),
-                _mm512_unpackhi_ps(x[0], x[1]),
-            );
-            let y1 = _mm512_add_ps(
-                _mm512_unpacklo_ps(x[2], x[3]),
-                _mm512_unpackhi_ps(x[2], x[3]),
-            );
-            // level 4: z lanes 4j.. = keys [j, j+8, j+4, j+12]
-            let z = _mm512_add_ps(_mm512_unpacklo_ps(y0, y1), _mm512_unpackhi_ps(y0, y1));
-            let idx = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 1, 5, 9, 13, 3, 7, 11, 15);
-            _mm512_storeu_ps(out.as_mut_ptr(), _mm512_permutexvar_ps(idx, z));
+            // the 16 partial sums reduced together (15 adds instead of 16 horizontal sums)
+            super::super::ops::simd::reduce16(&v, out);
         }
     }
 

@@ -241,6 +241,7 @@ mod simd {
     use std::arch::x86_64::*;
 
     use super::{BLOCK_BYTES, MT, QK};
+    use crate::ops::simd::reduce16;
 
     /// AVX-512 form of `portable::tile`.
     #[inline(always)]
@@ -302,44 +303,6 @@ mod simd {
             for r in 0..M {
                 sums[r][..NR].copy_from_slice(&out[r * NR..(r + 1) * NR]);
             }
-        }
-    }
-
-    /// `out[t]` = the 16 lanes of `v[t]` summed by `tree_sum`'s tree: lane `i` + lane `i + 8`,
-    /// then `+ 4`, `+ 2`, `+ 1`, done for all 16 vectors together by transposing adds.
-    #[inline(always)]
-    unsafe fn reduce16(v: &[__m512; 16], out: &mut [f32; 16]) {
-        // SAFETY: register operations and one 16-f32 store into `out`; AVX-512F is enabled.
-        unsafe {
-            // a_i: lanes 0..8 = v[2i] halves added, lanes 8..16 = v[2i+1] halves added
-            let a: [__m512; 8] = std::array::from_fn(|i| {
-                let (x, y) = (v[2 * i], v[2 * i + 1]);
-                _mm512_add_ps(
-                    _mm512_shuffle_f32x4::<0x44>(x, y),
-                    _mm512_shuffle_f32x4::<0xEE>(x, y),
-                )
-            });
-            // b_i: 128-bit quarter q holds vector 4i + q (lanes i + 4 added in)
-            let b: [__m512; 4] = std::array::from_fn(|i| {
-                let (x, y) = (a[2 * i], a[2 * i + 1]);
-                _mm512_add_ps(
-                    _mm512_shuffle_f32x4::<0x88>(x, y),
-                    _mm512_shuffle_f32x4::<0xDD>(x, y),
-                )
-            });
-            // c0 quarter q: [v q, v 4+q, v q, v 4+q] (lanes i + 2 added), c1 for 8+q, 12+q
-            let c0 = _mm512_add_ps(
-                _mm512_unpacklo_ps(b[0], b[1]),
-                _mm512_unpackhi_ps(b[0], b[1]),
-            );
-            let c1 = _mm512_add_ps(
-                _mm512_unpacklo_ps(b[2], b[3]),
-                _mm512_unpackhi_ps(b[2], b[3]),
-            );
-            // quarter q: vectors [q, 8+q, 4+q, 12+q], fully summed
-            let z = _mm512_add_ps(_mm512_unpacklo_ps(c0, c1), _mm512_unpackhi_ps(c0, c1));
-            let idx = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 1, 5, 9, 13, 3, 7, 11, 15);
-            _mm512_storeu_ps(out.as_mut_ptr(), _mm512_permutexvar_ps(idx, z));
         }
     }
 }

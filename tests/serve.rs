@@ -263,6 +263,10 @@ async fn bad_inputs_get_envelopes_and_break_nothing() {
         ("top_k", json!(-5)),
         ("n", json!(0)),
         ("max_tokens", json!(0)),
+        // Sizes near 2^64 must not wrap the length check (they did in release builds).
+        ("max_tokens", json!(u64::MAX)),
+        ("max_tokens", json!(u64::MAX - 2)),
+        ("min_tokens", json!(u64::MAX)),
         ("logprobs", json!(50)),
     ] {
         let mut b = json!({"prompt": "hi", "max_tokens": 4});

@@ -88,7 +88,16 @@ pub fn check_request_limits(
             message: "the prompt must contain at least one token".into(),
         });
     }
-    let requested = prompt + new.params.max_tokens;
+    // Sizes come from the request: checked, so that a max_tokens near 2^64 cannot wrap.
+    let Some(requested) = prompt.checked_add(new.params.max_tokens) else {
+        return Err(EngineError::InvalidParam {
+            param: "max_tokens".into(),
+            message: format!(
+                "max_tokens {} exceeds the model's maximum context length of {} tokens",
+                new.params.max_tokens, config.max_model_len
+            ),
+        });
+    };
     if requested > config.max_model_len {
         return Err(EngineError::ContextLengthExceeded {
             max_model_len: config.max_model_len,

@@ -28,6 +28,8 @@ pub const KV_TRANSFER_SECONDS: &str = "tandem:kv_transfer_seconds";
 pub const KV_TRANSFER_FAILURES_TOTAL: &str = "tandem:kv_transfer_failures_total";
 pub const KV_LEASE_EXPIRED_TOTAL: &str = "tandem:kv_lease_expired_total";
 pub const KV_LOAD_FAILURES_TOTAL: &str = "tandem:kv_load_failures_total";
+/// Label `reason`: `signature`, `expired`, `producer_not_allowed`, `lease`, `peer_auth`.
+pub const KV_TRANSFER_REFUSED_TOTAL: &str = "tandem:kv_transfer_refused_total";
 
 // KV checksums.
 pub const KV_CHECKSUM_LOADS_TOTAL: &str = "tandem:kv_checksum_loads_total";
@@ -40,6 +42,11 @@ pub const KV_CHECKSUM_COMPUTE_SECONDS: &str = "tandem:kv_checksum_compute_second
 pub fn describe() {
     use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
     describe_gauge!(NUM_REQUESTS_RUNNING, "Requests in the running batch.");
+    describe_counter!(
+        KV_TRANSFER_REFUSED_TOTAL,
+        "KV transfers refused before anything moved (unsigned or expired params, a producer \
+         outside allowed_producers, a lease claim refused, an unsigned peer request), by reason."
+    );
     describe_gauge!(NUM_REQUESTS_WAITING, "Requests waiting to be scheduled.");
     describe_gauge!(
         NUM_REQUESTS_WAITING_FOR_REMOTE_KV,

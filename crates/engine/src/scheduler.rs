@@ -840,6 +840,9 @@ impl Scheduler {
                 }
             }
         }
+        if let Some(params) = kv_transfer_params.as_mut().and_then(Value::as_object_mut) {
+            self.connector.seal_transfer_params(params);
+        }
         let delay = action.delay_free && !table.is_empty();
         let hold = !table.is_empty() && self.checksum_reads(id);
         if delay {

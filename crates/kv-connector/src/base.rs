@@ -163,6 +163,11 @@ pub trait KvConnectorScheduler: Send {
         finish: FinishKind,
     ) -> FinishedAction;
 
+    /// Last word on the `kv_transfer_params` a finished request answers, once everything else
+    /// (the KV checksums) is in them: a connector that signs its params does it here. The
+    /// default leaves them as they are.
+    fn seal_transfer_params(&mut self, _params: &mut serde_json::Map<String, serde_json::Value>) {}
+
     /// Whether this connector can carry KV checksums for some request at all. Checked once at
     /// startup: with `enable_kv_checksum`, a connector that carries none refuses to start under
     /// `kv_checksum_fail_closed` and disables checksums (with a warning) otherwise.

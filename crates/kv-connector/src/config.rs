@@ -27,6 +27,7 @@
 //! | `handshake_timeout` | seconds to fetch a producer's handshake | 5 |
 //! | `nixl_lib_dir` | directory of `libnixl_capi.so` (see `nixl::library`) | discovery |
 //! | `progress_thread` | run NIXL's progress thread | on for `kv_producer`/`kv_both`, off for `kv_consumer` |
+//! | `allowed_producers` | the producers a consumer may contact: CIDR ranges, addresses or host names, optionally with `:port` (see `allowlist`) | with a KV transfer secret: any; without: loopback only |
 //!
 //! Durations are numbers of seconds (fractions allowed), greater than 0 and at most one day.
 //!
@@ -40,6 +41,7 @@ use std::time::Duration;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use serde_json::{Map, Value};
 
+use crate::allowlist::ProducerAllowlist;
 use crate::error::KvConnectorError;
 
 /// The only `kv_connector` this crate implements.
@@ -66,8 +68,9 @@ const TOP_KEYS: [&str; 8] = [
     "kv_checksum_fail_closed",
     "kv_fault_injection",
 ];
-const EXTRA_KEYS: [&str; 6] = [
+const EXTRA_KEYS: [&str; 7] = [
     "side_channel_host",
+    "allowed_producers",
     "kv_lease_duration",
     "load_timeout",
     "handshake_timeout",
@@ -148,6 +151,23 @@ pub struct NixlExtraConfig {
     pub nixl_lib_dir: Option<PathBuf>,
     /// `None` in the JSON means: the role's default ([`KvTransferConfig::progress_thread`]).
     pub progress_thread: Option<bool>,
+    /// `allowed_producers` as written (validated); `None`: the deployment's default (see
+    /// [`crate::allowlist`]).
+    pub allowed_producers: Option<Vec<String>>,
+}
+
+impl NixlExtraConfig {
+    /// The producers a consumer may contact: the configured list, else any producer when the
+    /// deployment has a KV transfer secret and loopback producers when it has none.
+    pub fn producer_allowlist(&self, has_secret: bool) -> ProducerAllowlist {
+        match &self.allowed_producers {
+            Some(entries) => {
+                ProducerAllowlist::parse(entries).expect("validated when the config was parsed")
+            }
+            None if has_secret => ProducerAllowlist::any(),
+            None => ProducerAllowlist::loopback(),
+        }
+    }
 }
 
 impl NixlExtraConfig {
@@ -164,6 +184,7 @@ impl NixlExtraConfig {
             handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
             nixl_lib_dir: None,
             progress_thread: None,
+            allowed_producers: None,
         }
     }
 }
@@ -385,6 +406,9 @@ impl KvTransferConfig {
         if let Some(dir) = &x.nixl_lib_dir {
             extra["nixl_lib_dir"] = Value::String(dir.display().to_string());
         }
+        if let Some(list) = &x.allowed_producers {
+            extra["allowed_producers"] = serde_json::json!(list);
+        }
         let mut v = serde_json::json!({
             "kv_connector": self.kv_connector,
             "kv_role": self.kv_role.as_str(),
@@ -429,6 +453,28 @@ fn parse_extra(extra: &Map<String, Value>) -> Result<NixlExtraConfig, KvConnecto
         cfg.nixl_lib_dir = Some(PathBuf::from(dir));
     }
     cfg.progress_thread = get_bool(extra, "progress_thread")?;
+    match extra.get("allowed_producers") {
+        None | Some(Value::Null) => {}
+        Some(Value::Array(items)) => {
+            let entries = items
+                .iter()
+                .map(|v| {
+                    v.as_str().map(str::to_string).ok_or_else(|| {
+                        invalid(format!(
+                            "allowed_producers entries must be strings, got {v}"
+                        ))
+                    })
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            ProducerAllowlist::parse(&entries)?;
+            cfg.allowed_producers = Some(entries);
+        }
+        Some(v) => {
+            return Err(invalid(format!(
+                "allowed_producers must be an array of strings, got {v}"
+            )))
+        }
+    }
     Ok(cfg)
 }
 

@@ -6,6 +6,19 @@ pub enum KvConnectorError {
     /// `kv_transfer_params` of a request that cannot be used (client's or producer's mistake).
     #[error("invalid kv_transfer_params: {0}")]
     InvalidTransferParams(String),
+    /// Params or a peer request without a valid signature of the deployment's secret.
+    #[error("KV transfer refused: {0}")]
+    Unauthorized(String),
+    /// Signed params past their `expires_at`.
+    #[error("KV transfer refused: {0}")]
+    Expired(String),
+    /// A producer outside `allowed_producers`.
+    #[error("KV transfer refused: {0}")]
+    ProducerNotAllowed(String),
+    /// A producer would not let this consumer read a request's blocks (no live lease with those
+    /// blocks, or one already claimed).
+    #[error("KV lease refused: {0}")]
+    LeaseRefused(String),
     /// `--kv-transfer-config` that cannot be honoured.
     #[error("invalid kv_transfer_config: {0}")]
     InvalidConfig(String),
@@ -70,4 +83,19 @@ pub enum KvConnectorError {
     /// KV memory that cannot be described to NIXL (no layers, blocks not fitting their region).
     #[error("invalid KV regions: {0}")]
     InvalidRegions(String),
+}
+
+impl KvConnectorError {
+    /// The `reason` label of `tandem:kv_transfer_refused_total` for a refusal of params or a
+    /// peer request; `None` for errors that are not refusals.
+    pub fn refusal_reason(&self) -> Option<&'static str> {
+        match self {
+            KvConnectorError::Unauthorized(_) => Some("unauthorized"),
+            KvConnectorError::Expired(_) => Some("expired"),
+            KvConnectorError::ProducerNotAllowed(_) => Some("producer_not_allowed"),
+            KvConnectorError::LeaseRefused(_) => Some("lease"),
+            KvConnectorError::InvalidTransferParams(_) => Some("malformed"),
+            _ => None,
+        }
+    }
 }

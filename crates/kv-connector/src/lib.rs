@@ -9,8 +9,12 @@
 //! - [`params`]: `kv_transfer_params`, parsed and validated ([`params::TransferRequest`]).
 //! - [`pull`]: the NIXL pull connector ([`pull::nixl_pull_connector`]): producer leases,
 //!   consumer READs on a transfer thread, the handshake the server serves.
+//! - [`auth`]: the deployment secret: signed `kv_transfer_params` and signed peer requests.
+//! - [`allowlist`]: `allowed_producers`, the producers a consumer may contact.
 //! - [`error`]: the crate's error type.
 
+pub mod allowlist;
+pub mod auth;
 pub mod base;
 pub mod config;
 pub mod error;

@@ -27,6 +27,8 @@ use crate::error::KvConnectorError;
 pub const MAX_ID_LEN: usize = 256;
 /// Longest `remote_host` accepted (a DNS name's limit).
 pub const MAX_HOST_LEN: usize = 253;
+/// Most `remote_block_ids` accepted where the prompt's length is not known.
+pub const MAX_BLOCK_IDS: usize = 1 << 20;
 /// The only TP size pull mode supports today.
 pub const SUPPORTED_TP_SIZE: u64 = 1;
 
@@ -135,18 +137,46 @@ impl RemotePrefill {
         prompt_len: usize,
         block_size: usize,
     ) -> Result<RemotePrefill, KvConnectorError> {
+        let expected = prompt_len.div_ceil(block_size.max(1));
+        Self::parse_fields(obj, Some((expected, prompt_len, block_size)))
+    }
+
+    /// Parses a consumer's params without knowing its prompt (a producer checking a claim):
+    /// every invariant of the module docs but the block count's relation to the prompt.
+    pub fn from_params(params: &Value) -> Result<RemotePrefill, KvConnectorError> {
+        let obj = params
+            .as_object()
+            .ok_or_else(|| bad("kv_transfer_params must be an object"))?;
+        if !get_flag(obj, "do_remote_prefill")? {
+            return Err(bad("do_remote_prefill must be true"));
+        }
+        Self::parse_fields(obj, None)
+    }
+
+    /// `prompt`: (expected block count, prompt length, block size), when known.
+    fn parse_fields(
+        obj: &Map<String, Value>,
+        prompt: Option<(usize, usize, usize)>,
+    ) -> Result<RemotePrefill, KvConnectorError> {
         let remote_engine_id = get_id(obj, "remote_engine_id")?;
         let remote_request_id = get_id(obj, "remote_request_id")?;
-        let expected = prompt_len.div_ceil(block_size.max(1));
         let remote_block_ids = match obj.get("remote_block_ids") {
             None | Some(Value::Null) => return Err(bad("remote_block_ids is missing")),
             Some(Value::Array(ids)) => {
-                if ids.len() != expected {
-                    return Err(bad(format!(
-                        "remote_block_ids has {} entries, but a prompt of {prompt_len} tokens \
-                         fills {expected} blocks of {block_size}",
-                        ids.len()
-                    )));
+                match prompt {
+                    Some((expected, prompt_len, block_size)) if ids.len() != expected => {
+                        return Err(bad(format!(
+                            "remote_block_ids has {} entries, but a prompt of {prompt_len} \
+                             tokens fills {expected} blocks of {block_size}",
+                            ids.len()
+                        )));
+                    }
+                    None if ids.is_empty() || ids.len() > MAX_BLOCK_IDS => {
+                        return Err(bad(format!(
+                            "remote_block_ids must hold 1 to {MAX_BLOCK_IDS} block ids"
+                        )));
+                    }
+                    _ => {}
                 }
                 let mut seen = HashSet::with_capacity(ids.len());
                 let mut out = Vec::with_capacity(ids.len());

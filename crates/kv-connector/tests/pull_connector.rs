@@ -1,7 +1,7 @@
 //! The NIXL pull connector over the real library: a producer and a consumer connector in one
 //! process, each over its own `KvStorage`, driven as the engine drives them (scheduler side:
 //! match, allocate, finish; each step `build_connector_meta` → `start_load_kv` → `get_finished`
-//! → `update_connector_output`), the producer's handshake served by a tiny HTTP responder.
+//! → `update_connector_output`), the producer's handshake and lease claims served by a tiny HTTP responder.
 //!
 //! Every lifecycle test ends with both connectors idle: no load, no lease, nothing pending.
 
@@ -16,13 +16,14 @@ use std::time::{Duration, Instant};
 use common::*;
 use serde_json::{json, Value};
 use tandem_kv_cache::{BlockId, KvPart, KvStorage};
+use tandem_kv_connector::auth::{TransferAuth, KV_AUTH_HEADER};
 use tandem_kv_connector::base::{
     ConnectorOutput, ConnectorRequest, FinishKind, KvConnectorScheduler, KvConnectorWorker,
     MatchedTokens,
 };
 use tandem_kv_connector::nixl::{NixlAgentConfig, NixlHandshake};
 use tandem_kv_connector::pull::{
-    nixl_pull_connector, HandshakeProvider, NixlPullScheduler, NixlPullWorker, PullNotif,
+    nixl_pull_connector, KvPeerService, NixlPullScheduler, NixlPullWorker, PullNotif, CLAIM_PATH,
     HANDSHAKE_PATH,
 };
 use tandem_kv_connector::{KvConnectorError, KvRole, KvTransferConfig, LoadFailurePolicy};
@@ -47,7 +48,7 @@ struct Responder {
 }
 
 impl Responder {
-    fn start(listener: TcpListener, provider: HandshakeProvider) -> Responder {
+    fn start(listener: TcpListener, service: KvPeerService) -> Responder {
         let port = listener.local_addr().unwrap().port();
         listener.set_nonblocking(true).unwrap();
         let stop = Arc::new(AtomicBool::new(false));
@@ -65,24 +66,63 @@ impl Responder {
                     s.set_nonblocking(false).unwrap();
                     s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
                     let mut req = Vec::new();
-                    let mut buf = [0u8; 1024];
-                    while !req.windows(4).any(|w| w == b"\r\n\r\n") {
+                    let mut buf = [0u8; 4096];
+                    let head_end = loop {
+                        if let Some(i) = req.windows(4).position(|w| w == b"\r\n\r\n") {
+                            break Some(i + 4);
+                        }
+                        match s.read(&mut buf) {
+                            Ok(0) | Err(_) => break None,
+                            Ok(n) => req.extend_from_slice(&buf[..n]),
+                        }
+                    };
+                    let Some(head_end) = head_end else { continue };
+                    let head = String::from_utf8_lossy(&req[..head_end]).to_string();
+                    let header = |name: &str| {
+                        head.lines().find_map(|l| {
+                            let (k, v) = l.split_once(':')?;
+                            k.trim()
+                                .eq_ignore_ascii_case(name)
+                                .then(|| v.trim().to_string())
+                        })
+                    };
+                    let len: usize = header("content-length")
+                        .and_then(|v| v.parse().ok())
+                        .unwrap_or(0);
+                    while req.len() < head_end + len {
                         match s.read(&mut buf) {
                             Ok(0) | Err(_) => break,
                             Ok(n) => req.extend_from_slice(&buf[..n]),
                         }
                     }
-                    let line = String::from_utf8_lossy(&req);
-                    let path_ok = line.starts_with(&format!("GET {HANDSHAKE_PATH} "));
+                    let body = String::from_utf8_lossy(&req[head_end..]).to_string();
                     let forced = *status_override.lock().unwrap();
-                    let (status, body) = match (forced, path_ok, provider.json()) {
-                        (Some(code), _, _) => (code, String::new()),
-                        (None, false, _) => (404, String::new()),
-                        (None, true, None) => (503, String::new()),
-                        (None, true, Some(json)) => {
-                            served.fetch_add(1, Ordering::Relaxed);
-                            (200, json.to_string())
+                    let answer = |r: Result<String, KvConnectorError>| match r {
+                        Ok(b) => (200, b),
+                        Err(e) => (
+                            409,
+                            json!({"error": {"message": e.to_string()}}).to_string(),
+                        ),
+                    };
+                    let (status, body) = if let Some(code) = forced {
+                        (code, String::new())
+                    } else if head.starts_with(&format!("GET {HANDSHAKE_PATH} ")) {
+                        match service.handshake(header(KV_AUTH_HEADER).as_deref()) {
+                            Ok(None) => (503, String::new()),
+                            Ok(Some(json)) => {
+                                served.fetch_add(1, Ordering::Relaxed);
+                                (200, json.to_string())
+                            }
+                            Err(e) => (
+                                401,
+                                json!({"error": {"message": e.to_string()}}).to_string(),
+                            ),
                         }
+                    } else if head.starts_with(&format!("POST {CLAIM_PATH} ")) {
+                        let v: Value = serde_json::from_str(&body).unwrap_or_default();
+                        answer(service.claim(&v).map(|()| "{}".to_string()))
+                    } else {
+                        (404, String::new())
                     };
                     let _ = write!(
                         s,
@@ -142,9 +182,14 @@ fn node_with(role: &str, engine_id: &str, extra: Value, seed: Option<u64>) -> No
 }
 
 fn node_from(config: &KvTransferConfig, seed: Option<u64>) -> Node {
+    node_signed(config, seed, None)
+}
+
+fn node_signed(config: &KvTransferConfig, seed: Option<u64>, auth: Option<TransferAuth>) -> Node {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let port = listener.local_addr().unwrap().port();
-    let c = nixl_pull_connector(config, MODEL, BS, port).expect("connector (scripts/setup.sh?)");
+    let c =
+        nixl_pull_connector(config, MODEL, BS, port, auth).expect("connector (scripts/setup.sh?)");
     let storage = storage(LAYERS, NUM_BLOCKS, BS, tandem_kv_cache::CacheDtype::Bf16);
     if let Some(seed) = seed {
         fill_random(&storage, seed);
@@ -160,7 +205,7 @@ fn node_from(config: &KvTransferConfig, seed: Option<u64>) -> Node {
         sched: c.scheduler,
         worker: Some(worker),
         storage,
-        http: Responder::start(listener, c.handshake),
+        http: Responder::start(listener, c.peer_service),
         engine_id: config.engine_id.clone(),
         seen: ConnectorOutput::default(),
     }
@@ -636,11 +681,22 @@ fn handshake_refusals_and_engine_id_mismatches_fail_the_load() {
     assert!(reason.contains("refused: HTTP 503"), "{reason}");
     *p.http.status_override.lock().unwrap() = None;
 
-    // Block ids the producer does not have (forged, yet well-formed).
-    let mut forged = params.clone();
-    forged["remote_block_ids"] = json!([1, 999]);
-    let reason = fail_with(&mut p, &mut c, forged);
-    assert!(reason.contains("out of range"), "{reason}");
+    // Block ids the producer did not lease for these params (forged, yet well-formed: in its
+    // range, or not) are refused by the claim before any READ: no other request's KV moves.
+    for blocks in [json!([1, 999]), json!([2, 1]), json!([1, 5])] {
+        let mut forged = params.clone();
+        forged["remote_block_ids"] = blocks;
+        let reason = fail_with(&mut p, &mut c, forged);
+        assert!(
+            reason.contains("refused the lease claim") && reason.contains("not the blocks"),
+            "{reason}"
+        );
+    }
+    // A lease id the producer never issued (a guess).
+    let mut guessed = params.clone();
+    guessed["remote_request_id"] = json!("1-00000000000000000000000000000000");
+    let reason = fail_with(&mut p, &mut c, guessed);
+    assert!(reason.contains("no live lease"), "{reason}");
 
     // A producer serving another model is refused by the compatibility check.
     let other = {
@@ -649,10 +705,10 @@ fn handshake_refusals_and_engine_id_mismatches_fail_the_load() {
         cfg.engine_id = "other-model".into();
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let port = listener.local_addr().unwrap().port();
-        let conn = nixl_pull_connector(&cfg, "another-model", BS, port).unwrap();
+        let conn = nixl_pull_connector(&cfg, "another-model", BS, port, None).unwrap();
         let mut w = conn.worker;
         w.register_kv_caches(small_storage()).unwrap();
-        (w, Responder::start(listener, conn.handshake), port)
+        (w, Responder::start(listener, conn.peer_service), port)
     };
     let mut params_other = params.clone();
     params_other["remote_engine_id"] = json!("other-model");
@@ -661,7 +717,7 @@ fn handshake_refusals_and_engine_id_mismatches_fail_the_load() {
     assert!(reason.contains("different model"), "{reason}");
     drop(other);
 
-    assert_eq!(c.seen.stats.failures, 4);
+    assert_eq!(c.seen.stats.failures, 7);
     assert_blocks_zero(&c.storage, [3, 4]);
     for _ in 0..50 {
         p.step();
@@ -838,7 +894,7 @@ fn config_parsing_and_the_constructor() {
     assert!(e.to_string().contains("kv_role \"decode\""), "{e}");
 
     // The constructor carries the config into both sides.
-    let p = nixl_pull_connector(&c, MODEL, BS, 8200).unwrap();
+    let p = nixl_pull_connector(&c, MODEL, BS, 8200, None).unwrap();
     assert_eq!(p.scheduler.config().side_channel_host, "10.9.8.7");
     assert_eq!(p.scheduler.config().http_port, 8200);
     assert_eq!(
@@ -850,13 +906,74 @@ fn config_parsing_and_the_constructor() {
     assert!(!agent.progress_thread);
     assert_eq!(agent.engine_id, c.engine_id);
     assert!(p.library.path.ends_with("libnixl_capi.so"));
-    assert!(nixl_pull_connector(&c, MODEL, BS, 0).is_err());
+    assert!(nixl_pull_connector(&c, MODEL, BS, 0, None).is_err());
     // A library directory without NIXL is a clear error, not an abort.
     let mut bad = c.clone();
     bad.kv_connector_extra_config.nixl_lib_dir = Some("/nonexistent/nixl".into());
-    let e = nixl_pull_connector(&bad, MODEL, BS, 8200).unwrap_err();
+    let e = nixl_pull_connector(&bad, MODEL, BS, 8200, None).unwrap_err();
     assert!(e.to_string().contains("/nonexistent/nixl"), "{e}");
     // Boxed as the engine takes them.
-    let (_s, _w, h) = p.into_parts();
-    assert!(h.json().is_none());
+    let (_s, _w, peer, _admission) = p.into_parts();
+    assert!(peer.handshake(None).unwrap().is_none());
+}
+
+#[test]
+fn replayed_params_and_peers_without_the_secret_are_refused() {
+    let secret = TransferAuth::new(b"the-deployment-secret").unwrap();
+    let cfg =
+        |role: &str, id: &str| KvTransferConfig::parse(&config_json(role, id, json!({}))).unwrap();
+    let mut p = node_signed(
+        &cfg("kv_producer", "prefill-s"),
+        Some(71),
+        Some(secret.clone()),
+    );
+    let mut c = node_signed(&cfg("kv_consumer", "decode-s"), None, Some(secret.clone()));
+    let mut stranger = node_from(&cfg("kv_consumer", "decode-x"), None);
+    let prompt = prompt(20);
+    let mut params = produce(&mut p, 1, &prompt, &[1, 2]);
+    // What the engine does once the checksums are in: the producer signs.
+    p.sched
+        .seal_transfer_params(params.as_object_mut().unwrap());
+    assert!(params["signature"].is_string() && params["expires_at"].is_u64());
+
+    // A consumer without the secret cannot even fetch the handshake.
+    admit(&mut stranger, 5, &prompt, &params, 0, &[3, 4]);
+    drive(&mut [&mut stranger], T, |n| {
+        n[0].seen.finished_recving.contains(&5)
+    });
+    let reason = &stranger.seen.failed_recving[&5];
+    assert!(reason.contains("HTTP 401"), "{reason}");
+    let r = request(5, &prompt, Some(&params));
+    stranger
+        .sched
+        .request_finished(&r, &[3, 4], FinishKind::Aborted);
+
+    // The real consumer loads byte for byte.
+    admit(&mut c, 10, &prompt, &params, 0, &[3, 4]);
+    drive(&mut [&mut p, &mut c], T, |n| {
+        n[0].seen.finished_sending.contains(&1) && n[1].seen.finished_recving.contains(&10)
+    });
+    assert!(
+        !c.seen.failed_recving.contains_key(&10),
+        "{:?}",
+        c.seen.failed_recving
+    );
+    assert_blocks_equal(&p.storage, &c.storage, &pairs(&[1, 2], &[3, 4]));
+    finish_consumer(&mut c, 10, &prompt, &params, &[3, 4]);
+
+    // The same params again, once the producer may have reused the blocks: refused.
+    admit(&mut c, 11, &prompt, &params, 0, &[5, 6]);
+    drive(&mut [&mut p, &mut c], T, |n| {
+        n[1].seen.finished_recving.contains(&11)
+    });
+    let reason = &c.seen.failed_recving[&11];
+    assert!(reason.contains("no live lease"), "{reason}");
+    assert_blocks_zero(&c.storage, [5, 6]);
+    let r = request(11, &prompt, Some(&params));
+    c.sched.request_finished(&r, &[5, 6], FinishKind::Aborted);
+    c.step();
+    stranger.step();
+    p.assert_idle();
+    c.assert_idle();
+    stranger.assert_idle();
 }

@@ -19,8 +19,10 @@ pub struct ServeArgs {
     /// Name(s) the API accepts and reports for the model (default: the `--model` value).
     #[arg(long, env = "TANDEM_SERVED_MODEL_NAME", value_delimiter = ',')]
     pub served_model_name: Vec<String>,
-    #[arg(long, env = "TANDEM_HOST", default_value = "0.0.0.0")]
-    pub host: String,
+    /// Where to listen (default `0.0.0.0`; `127.0.0.1` for a P/D instance without a KV transfer
+    /// secret, which may not listen anywhere else).
+    #[arg(long, env = "TANDEM_HOST")]
+    pub host: Option<String>,
     #[arg(long, env = "TANDEM_PORT", default_value_t = 8000)]
     pub port: u16,
     /// Weight mode: `auto` (the fastest measured on CPU), `f32` (everything dequantized: the
@@ -60,6 +62,12 @@ pub struct ServeArgs {
     /// P/D disaggregation: a JSON object with vLLM's keys (`kv_connector`, `kv_role`, …).
     #[arg(long, env = "TANDEM_KV_TRANSFER_CONFIG")]
     pub kv_transfer_config: Option<String>,
+    /// File holding the P/D deployment's shared secret (at least 16 bytes): producers sign the
+    /// `kv_transfer_params` they answer, consumers accept only signed ones, and a producer
+    /// serves its KV handshake only to signed requests. Or the secret itself in
+    /// `TANDEM_KV_TRANSFER_SECRET`. Without one a P/D instance listens on loopback only.
+    #[arg(long, env = "TANDEM_KV_TRANSFER_SECRET_FILE")]
+    pub kv_transfer_secret_file: Option<std::path::PathBuf>,
     /// Largest request body accepted (bytes); larger ones get 413.
     #[arg(long, env = "TANDEM_MAX_REQUEST_BODY_BYTES", default_value_t = 32 << 20)]
     pub max_request_body_bytes: usize,

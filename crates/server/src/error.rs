@@ -8,6 +8,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::json;
 use tandem_engine::EngineError;
+use tandem_kv_connector::KvConnectorError;
 
 /// An error answered to a client.
 #[derive(Debug, thiserror::Error)]
@@ -25,6 +26,9 @@ pub enum ApiError {
     PayloadTooLarge(String),
     #[error(transparent)]
     Engine(#[from] EngineError),
+    /// Refused `kv_transfer_params` or KV peer requests (counted where they are refused).
+    #[error(transparent)]
+    KvTransfer(#[from] KvConnectorError),
 }
 
 impl ApiError {
@@ -48,6 +52,28 @@ impl ApiError {
             }
             ApiError::PayloadTooLarge(_) => {
                 (StatusCode::PAYLOAD_TOO_LARGE, "BadRequestError", None)
+            }
+            ApiError::KvTransfer(e) => {
+                let param = Some("kv_transfer_params".to_string());
+                match e {
+                    KvConnectorError::Unauthorized(_) => {
+                        (StatusCode::UNAUTHORIZED, "AuthenticationError", param)
+                    }
+                    KvConnectorError::Expired(_) | KvConnectorError::ProducerNotAllowed(_) => {
+                        (StatusCode::FORBIDDEN, "PermissionDeniedError", param)
+                    }
+                    KvConnectorError::LeaseRefused(_) => {
+                        (StatusCode::CONFLICT, "ConflictError", param)
+                    }
+                    KvConnectorError::InvalidTransferParams(_) => {
+                        (StatusCode::BAD_REQUEST, "BadRequestError", param)
+                    }
+                    _ => (
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        "InternalServerError",
+                        None,
+                    ),
+                }
             }
             ApiError::Engine(e) => match e {
                 EngineError::InvalidParam { param, .. } => (

@@ -13,9 +13,10 @@ use tandem_engine::{
     SchedulerConfig, Worker, WorkerGrid,
 };
 use tandem_kv_cache::{CacheDtype, KvCacheConfig, KvCacheManager, KvStorage};
+use tandem_kv_connector::auth::{TransferAuth, SECRET_ENV};
 use tandem_kv_connector::base::{KvConnectorScheduler, KvConnectorWorker, NoopConnector};
 use tandem_kv_connector::config::{KvTransferConfig, LoadFailurePolicy};
-use tandem_kv_connector::pull::{nixl_pull_connector, HandshakeProvider};
+use tandem_kv_connector::pull::{nixl_pull_connector, KvAdmission, KvPeerService};
 use tandem_models::{load_model, LoadOptions, TextTokenizer, WeightMode};
 
 use crate::config::{parse_bytes, ServeArgs};
@@ -73,6 +74,13 @@ impl ApiTokenizer for Tokenizer {
         self.0.decode(ids, false).unwrap_or_default()
     }
 }
+
+/// The connector's two sides and, for P/D, its KV routes and admission check.
+type ConnectorParts = (
+    Box<dyn KvConnectorScheduler>,
+    Box<dyn KvConnectorWorker>,
+    Option<(KvPeerService, KvAdmission)>,
+);
 
 /// Everything `serve` builds before it listens, so tests can build it without a socket.
 pub struct Instance {
@@ -163,19 +171,18 @@ pub fn build_instance(
     if names.is_empty() {
         names.push(args.model.clone());
     }
-    let (connector_sched, connector_worker, handshake): (
-        Box<dyn KvConnectorScheduler>,
-        Box<dyn KvConnectorWorker>,
-        Option<HandshakeProvider>,
-    ) = match &transfer {
+    let auth = transfer_auth(args, transfer.as_ref())?;
+    let (connector_sched, connector_worker, kv_routes): ConnectorParts = match &transfer {
         None => (Box::new(NoopConnector), Box::new(NoopConnector), None),
         Some(cfg) => {
-            let (s, w, h) = nixl_pull_connector(cfg, &names[0], args.block_size, args.port)
-                .context("--kv-transfer-config")?
-                .into_parts();
-            (s, w, Some(h))
+            let (s, w, peer, admission) =
+                nixl_pull_connector(cfg, &names[0], args.block_size, args.port, auth)
+                    .context("--kv-transfer-config")?
+                    .into_parts();
+            (s, w, Some((peer, admission)))
         }
     };
+    let (kv_peer, kv_admission) = kv_routes.unzip();
     let policy = match transfer.as_ref().map(|t| t.kv_load_failure_policy) {
         Some(LoadFailurePolicy::Fail) => KvLoadFailurePolicy::Fail,
         _ => KvLoadFailurePolicy::Recompute,
@@ -233,7 +240,8 @@ pub fn build_instance(
         max_model_len,
         prometheus,
         max_body_bytes: args.max_request_body_bytes,
-        kv_handshake: handshake,
+        kv_peer,
+        kv_admission,
     };
     Ok(Instance { state, engine })
 }
@@ -247,6 +255,58 @@ pub fn parse_transfer_config(args: &ServeArgs) -> anyhow::Result<Option<KvTransf
             let cfg = KvTransferConfig::parse(json).context("--kv-transfer-config")?;
             Ok(Some(cfg))
         }
+    }
+}
+
+/// The deployment's KV transfer secret (`--kv-transfer-secret-file`, else
+/// `TANDEM_KV_TRANSFER_SECRET`); a secret for an instance that is not P/D is refused.
+pub fn transfer_auth(
+    args: &ServeArgs,
+    transfer: Option<&KvTransferConfig>,
+) -> anyhow::Result<Option<TransferAuth>> {
+    let auth = TransferAuth::load(args.kv_transfer_secret_file.as_deref())
+        .context("--kv-transfer-secret-file")?;
+    if transfer.is_none() && auth.is_some() {
+        if args.kv_transfer_secret_file.is_some() {
+            bail!(
+                "--kv-transfer-secret-file needs --kv-transfer-config: only P/D instances use it"
+            );
+        }
+        tracing::warn!("{SECRET_ENV} is set but this instance is not P/D; it is not used");
+        return Ok(None);
+    }
+    Ok(auth)
+}
+
+fn is_loopback(host: &str) -> bool {
+    let h = host.trim_start_matches('[').trim_end_matches(']');
+    h.eq_ignore_ascii_case("localhost")
+        || h.parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+/// Where `serve` listens. Protected by default: a P/D instance without a KV transfer secret
+/// listens on loopback only (its KV memory would otherwise be readable by anyone who reaches it),
+/// and a non-loopback `--host` is refused with how to set a secret.
+pub fn listen_host(args: &ServeArgs) -> anyhow::Result<String> {
+    let transfer = parse_transfer_config(args)?;
+    let secret = transfer_auth(args, transfer.as_ref())?.is_some();
+    match (&args.host, transfer.is_some() && !secret) {
+        (Some(h), true) if !is_loopback(h) => bail!(
+            "--host {h}: a P/D instance without a KV transfer secret listens on loopback only \
+             (otherwise anyone who reaches it can read its KV cache). Give every P/D instance \
+             the same secret: --kv-transfer-secret-file FILE (e.g. `head -c 32 /dev/urandom | \
+             base64 > FILE`) or {SECRET_ENV}=...; or listen on 127.0.0.1"
+        ),
+        (Some(h), _) => Ok(h.clone()),
+        (None, true) => {
+            tracing::info!(
+                "P/D without a KV transfer secret: listening on 127.0.0.1 only \
+                 (set --kv-transfer-secret-file to serve other hosts)"
+            );
+            Ok("127.0.0.1".into())
+        }
+        (None, false) => Ok("0.0.0.0".into()),
     }
 }
 
@@ -264,9 +324,14 @@ pub fn preload(args: &ServeArgs) -> anyhow::Result<()> {
 
 /// `tandem serve`: runs until ctrl-c or SIGTERM.
 pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let host = listen_host(&args)?;
     let prometheus = install_prometheus()?;
     let instance = build_instance(&args, Some(prometheus))?;
-    let addr = format!("{}:{}", args.host, args.port);
+    let addr = if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]:{}", args.port)
+    } else {
+        format!("{host}:{}", args.port)
+    };
     let listener = tokio::net::TcpListener::bind(&addr)
         .await
         .with_context(|| format!("binding {addr}"))?;

@@ -12,6 +12,10 @@ use axum::{Json, Router};
 use serde_json::json;
 use tandem_engine::SamplingParams;
 
+use tandem_kv_connector::auth::KV_AUTH_HEADER;
+use tandem_kv_connector::pull::{ReleaseOutcome, CLAIM_PATH, HANDSHAKE_PATH, RELEASE_PATH};
+use tandem_kv_connector::KvConnectorError;
+
 use crate::error::ApiError;
 use crate::extract::ApiJson;
 use crate::generate::{respond, Endpoint, Generation};
@@ -32,7 +36,9 @@ pub fn app(state: AppState) -> Router {
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
-        .route(tandem_kv_connector::pull::HANDSHAKE_PATH, get(kv_handshake))
+        .route(HANDSHAKE_PATH, get(kv_handshake))
+        .route(CLAIM_PATH, post(kv_claim))
+        .route(RELEASE_PATH, post(kv_release))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(limit))
         .with_state(state)
@@ -77,23 +83,63 @@ async fn metrics(State(state): State<AppState>) -> Response {
     }
 }
 
-/// The NIXL handshake of a P/D instance: what a consumer needs to read this instance's blocks.
-async fn kv_handshake(State(state): State<AppState>) -> Response {
-    let unavailable = |msg: &str| {
-        let body = json!({"error": {"message": msg, "type": "ServiceUnavailableError", "param": null, "code": 503}});
-        (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response()
-    };
-    match &state.kv_handshake {
-        None => not_found().await,
-        Some(h) => match h.json() {
-            Some(j) => (
-                [(axum::http::header::CONTENT_TYPE, "application/json")],
-                j.to_string(),
-            )
-                .into_response(),
-            None => unavailable("the KV transfer agent is not ready"),
-        },
+/// A refusal of KV transfer params or of a peer request: counted by reason, then answered.
+fn kv_refused(e: KvConnectorError) -> ApiError {
+    if let Some(reason) = e.refusal_reason() {
+        tracing::warn!(reason, "KV transfer refused: {e}");
+        metrics::counter!(tandem_engine::metrics::KV_TRANSFER_REFUSED_TOTAL, "reason" => reason)
+            .increment(1);
     }
+    ApiError::KvTransfer(e)
+}
+
+/// The NIXL handshake of a P/D instance: what a consumer needs to read this instance's blocks
+/// (with a deployment secret, only for requests signed with it).
+async fn kv_handshake(State(state): State<AppState>, headers: HeaderMap) -> Response {
+    let Some(peer) = &state.kv_peer else {
+        return not_found().await;
+    };
+    let auth = headers.get(KV_AUTH_HEADER).and_then(|v| v.to_str().ok());
+    match peer.handshake(auth) {
+        Ok(Some(j)) => (
+            [(axum::http::header::CONTENT_TYPE, "application/json")],
+            j.to_string(),
+        )
+            .into_response(),
+        Ok(None) => {
+            let body = json!({"error": {"message": "the KV transfer agent is not ready", "type": "ServiceUnavailableError", "param": null, "code": 503}});
+            (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response()
+        }
+        Err(e) => kv_refused(e).into_response(),
+    }
+}
+
+/// `POST /v1/kv/claim`: a consumer asks to read a lease's blocks (see `KvPeerService::claim`).
+async fn kv_claim(
+    State(state): State<AppState>,
+    ApiJson(body): ApiJson<serde_json::Value>,
+) -> Result<Response, ApiError> {
+    let Some(peer) = &state.kv_peer else {
+        return Ok(not_found().await);
+    };
+    peer.claim(&body).map_err(kv_refused)?;
+    Ok(Json(json!({"claimed": true})).into_response())
+}
+
+/// `POST /v1/kv/release`: the proxy gives back an unclaimed lease (see `KvPeerService::release`).
+async fn kv_release(
+    State(state): State<AppState>,
+    ApiJson(body): ApiJson<serde_json::Value>,
+) -> Result<Response, ApiError> {
+    let Some(peer) = &state.kv_peer else {
+        return Ok(not_found().await);
+    };
+    let outcome = match peer.release(&body).map_err(kv_refused)? {
+        ReleaseOutcome::Released => "released",
+        ReleaseOutcome::Claimed => "claimed",
+        ReleaseOutcome::Unknown => "unknown",
+    };
+    Ok(Json(json!({"release": outcome})).into_response())
 }
 
 fn request_id(headers: &HeaderMap) -> String {
@@ -164,14 +210,24 @@ fn check_n(c: &CommonParams) -> Result<usize, ApiError> {
     Ok(n)
 }
 
-fn check_transfer_params(c: &CommonParams) -> Result<(), ApiError> {
+/// The shape of `kv_transfer_params`, then (on a P/D instance) the admission check: signed,
+/// unexpired, from an allowed producer. Before anything reaches the engine or the network.
+fn check_transfer_params(state: &AppState, c: &CommonParams) -> Result<(), ApiError> {
     match &c.kv_transfer_params {
-        None | Some(serde_json::Value::Null) | Some(serde_json::Value::Object(_)) => Ok(()),
-        Some(_) => Err(ApiError::bad_request(
-            Some("kv_transfer_params"),
-            "kv_transfer_params must be an object",
-        )),
+        None | Some(serde_json::Value::Null) | Some(serde_json::Value::Object(_)) => {}
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                Some("kv_transfer_params"),
+                "kv_transfer_params must be an object",
+            ))
+        }
     }
+    if let Some(admission) = &state.kv_admission {
+        admission
+            .check(c.kv_transfer_params.as_ref())
+            .map_err(kv_refused)?;
+    }
+    Ok(())
 }
 
 async fn completions(
@@ -181,7 +237,7 @@ async fn completions(
 ) -> Result<Response, ApiError> {
     check_model(&state, &req.common.model)?;
     let n = check_n(&req.common)?;
-    check_transfer_params(&req.common)?;
+    check_transfer_params(&state, &req.common)?;
     let (prompt_ids, prompt_text) = match req.prompt {
         PromptInput::Text(t) => (encode(&state, &t)?, Some(t)),
         PromptInput::Tokens(ids) => (ids, None),
@@ -259,7 +315,7 @@ async fn chat_completions(
 ) -> Result<Response, ApiError> {
     check_model(&state, &req.common.model)?;
     let n = check_n(&req.common)?;
-    check_transfer_params(&req.common)?;
+    check_transfer_params(&state, &req.common)?;
     if req.messages.is_empty() {
         return Err(ApiError::bad_request(
             Some("messages"),

@@ -31,8 +31,10 @@ pub struct AppState {
     pub max_model_len: usize,
     pub prometheus: Option<PrometheusHandle>,
     pub max_body_bytes: usize,
-    /// This instance's NIXL handshake (P/D instances only), served at `/v1/kv/handshake`.
-    pub kv_handshake: Option<tandem_kv_connector::pull::HandshakeProvider>,
+    /// A P/D instance's KV routes (`/v1/kv/handshake`, `/v1/kv/claim`, `/v1/kv/release`).
+    pub kv_peer: Option<tandem_kv_connector::pull::KvPeerService>,
+    /// A P/D instance's check of a request's `kv_transfer_params` before the engine sees them.
+    pub kv_admission: Option<tandem_kv_connector::pull::KvAdmission>,
 }
 
 impl AppState {

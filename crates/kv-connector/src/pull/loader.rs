@@ -3,12 +3,16 @@
 //!
 //! Per load: find the producer's peer (cached by [`PeerAddr`]; otherwise fetch
 //! `GET http://{host}:{port}/v1/kv/handshake` on a short-lived thread with `handshake_timeout`,
-//! check that its engine id is the one the params name, and `add_peer`, which checks
-//! compatibility), send a renew notification, post ONE READ of the request's blocks with the
-//! done notification attached, and poll it until it completes, fails, or `load_timeout` passes.
+//! signed with the deployment secret when there is one, check that its engine id is the one the
+//! params name, and `add_peer`, which checks compatibility), claim the lease
+//! (`POST http://{host}:{port}/v1/kv/claim` with the params, on a short-lived thread: the
+//! producer refuses blocks it did not lease for these params, or leased to someone else), send a
+//! renew notification, post ONE READ of the request's blocks with the done notification
+//! attached, and poll it until it completes, fails, or `load_timeout` passes.
 //!
 //! Invariants:
-//! - The consumer reads only from peers whose handshake it fetched and accepted itself.
+//! - The consumer reads only from peers whose handshake it fetched and accepted itself, and
+//!   only blocks whose lease the producer granted it by a claim.
 //! - Every READ job yields exactly one `Loaded`, `Failed` or `Cancelled` result,
 //!   whatever happens, and a READ's handle is dropped (the transfer cancelled) before its failure
 //!   or cancellation is reported, so nothing writes into the blocks once the scheduler may reuse
@@ -29,6 +33,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::protocol::{LoadKind, PeerAddr, PullNotif};
+use crate::auth::TransferAuth;
 use crate::error::KvConnectorError;
 use crate::nixl::{NixlAgent, NixlHandshake, TransferHandle, TransferStats, TransferStatus};
 
@@ -62,6 +67,8 @@ pub(crate) struct LoadJob {
     pub remote_request_id: String,
     pub local: Vec<usize>,
     pub remote: Vec<usize>,
+    /// The `POST /v1/kv/claim` body of a READ.
+    pub claim_body: Option<String>,
     pub cancel: Arc<AtomicBool>,
 }
 
@@ -92,6 +99,8 @@ pub(crate) struct LoadResult {
 enum Msg {
     Job(LoadJob),
     Handshake(Box<(PeerAddr, Result<NixlHandshake, String>)>),
+    /// A claim ended: the job, its peer's NIXL name, and the producer's answer.
+    Claimed(Box<(LoadJob, String, Result<(), String>)>),
     Shutdown,
 }
 
@@ -103,7 +112,11 @@ pub(crate) struct Loader {
 }
 
 impl Loader {
-    pub fn spawn(agent: Arc<NixlAgent>, config: LoaderConfig) -> Result<Self, KvConnectorError> {
+    pub fn spawn(
+        agent: Arc<NixlAgent>,
+        config: LoaderConfig,
+        auth: Option<TransferAuth>,
+    ) -> Result<Self, KvConnectorError> {
         let (tx, rx) = mpsc::channel();
         let (res_tx, results) = mpsc::channel();
         let state = LoaderThread {
@@ -115,7 +128,9 @@ impl Loader {
             peers: HashMap::new(),
             handshaking: HashMap::new(),
             in_flight: Vec::new(),
+            claiming: 0,
             client: None,
+            auth,
         };
         let thread = std::thread::Builder::new()
             .name("tandem-kv-loader".into())
@@ -172,7 +187,10 @@ struct LoaderThread {
     /// Jobs waiting for a handshake in progress.
     handshaking: HashMap<PeerAddr, Vec<LoadJob>>,
     in_flight: Vec<InFlight>,
+    /// Claims in progress (their jobs come back in `Msg::Claimed`).
+    claiming: usize,
     client: Option<reqwest::blocking::Client>,
+    auth: Option<TransferAuth>,
 }
 
 impl LoaderThread {
@@ -198,6 +216,10 @@ impl LoaderThread {
                     Msg::Handshake(done) => {
                         let (addr, hs) = *done;
                         self.handshake_done(addr, hs)
+                    }
+                    Msg::Claimed(done) => {
+                        let (job, name, answer) = *done;
+                        self.claimed(job, name, answer)
                     }
                     Msg::Shutdown => {
                         self.shutdown();
@@ -241,6 +263,21 @@ impl LoaderThread {
                 f.job.request_id,
                 LoadOutcome::Failed("the connector shut down".into()),
             );
+        }
+        // Claims in flight come back (their threads are bounded by the handshake timeout).
+        let deadline = Instant::now() + self.config.handshake_timeout;
+        while self.claiming > 0 && Instant::now() < deadline {
+            match self.rx.recv_timeout(IDLE_WAIT) {
+                Ok(Msg::Claimed(done)) => {
+                    self.claiming -= 1;
+                    self.report(
+                        done.0.request_id,
+                        LoadOutcome::Failed("the connector shut down".into()),
+                    );
+                }
+                Ok(_) | Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => break,
+            }
         }
         for (_, jobs) in std::mem::take(&mut self.handshaking) {
             for job in jobs {
@@ -299,6 +336,10 @@ impl LoaderThread {
         }
         let addr = job.peer.clone();
         let url = addr.handshake_url();
+        let auth_header = self
+            .auth
+            .as_ref()
+            .map(|a| a.sign_request("GET", super::HANDSHAKE_PATH));
         let client = match self.client() {
             Ok(c) => c,
             Err(reason) => {
@@ -312,7 +353,7 @@ impl LoaderThread {
             .spawn({
                 let addr = addr.clone();
                 move || {
-                    let hs = fetch_handshake(&client, &url);
+                    let hs = fetch_handshake(&client, &url, auth_header.as_deref());
                     let _ = tx.send(Msg::Handshake(Box::new((addr, hs))));
                 }
             });
@@ -400,6 +441,60 @@ impl LoaderThread {
             self.report(job.request_id, LoadOutcome::Released(r));
             return;
         }
+        let Some(body) = job.claim_body.clone() else {
+            self.fail(&job, "a READ without the params to claim its lease".into());
+            return;
+        };
+        let client = match self.client() {
+            Ok(c) => c,
+            Err(reason) => {
+                self.fail(&job, reason);
+                return;
+            }
+        };
+        let url = job.peer.url(super::access::CLAIM_PATH);
+        let tx = self.tx.clone();
+        // The job waits in a slot the claim thread empties when it answers; if the thread
+        // cannot start, it is still there to be failed.
+        let slot = Arc::new(std::sync::Mutex::new(Some((job, name))));
+        let spawned = std::thread::Builder::new()
+            .name("tandem-kv-claim".into())
+            .spawn({
+                let slot = slot.clone();
+                move || {
+                    let answer = post_claim(&client, &url, body);
+                    let taken = slot.lock().ok().and_then(|mut s| s.take());
+                    if let Some((job, name)) = taken {
+                        let _ = tx.send(Msg::Claimed(Box::new((job, name, answer))));
+                    }
+                }
+            });
+        match spawned {
+            Ok(_) => self.claiming += 1,
+            Err(e) => {
+                if let Some((job, _)) = slot.lock().ok().and_then(|mut s| s.take()) {
+                    self.fail(&job, format!("cannot start a claim thread: {e}"));
+                }
+            }
+        }
+    }
+
+    /// The producer answered a claim: READ if granted, else fail the load.
+    fn claimed(&mut self, job: LoadJob, name: String, answer: Result<(), String>) {
+        self.claiming -= 1;
+        if job.cancelled() {
+            // Granted or not, nothing was posted: tell the producer, then report.
+            let _ = self.release(&job, &name);
+            self.report(job.request_id, LoadOutcome::Cancelled);
+            return;
+        }
+        match answer {
+            Ok(()) => self.post_read(job, name),
+            Err(reason) => self.fail(&job, reason),
+        }
+    }
+
+    fn post_read(&mut self, job: LoadJob, name: String) {
         let renew = PullNotif::Renew(&job.remote_request_id).encode();
         if let Err(e) = self.agent.send_notif(&name, &renew) {
             self.forget(&job.peer, &name);
@@ -513,10 +608,40 @@ impl LoaderThread {
     }
 }
 
-/// `GET url` → a validated [`NixlHandshake`], or why not.
-fn fetch_handshake(client: &reqwest::blocking::Client, url: &str) -> Result<NixlHandshake, String> {
+/// `POST url` with a claim body → granted, or the producer's reason.
+fn post_claim(client: &reqwest::blocking::Client, url: &str, body: String) -> Result<(), String> {
     let resp = client
-        .get(url)
+        .post(url)
+        .header(reqwest::header::CONTENT_TYPE, "application/json")
+        .body(body)
+        .send()
+        .map_err(|e| format!("lease claim {url} unreachable: {}", error_chain(&e)))?;
+    let status = resp.status();
+    if status.is_success() {
+        return Ok(());
+    }
+    let mut text = String::new();
+    let _ = resp.take(4096).read_to_string(&mut text);
+    let reason = serde_json::from_str::<serde_json::Value>(&text)
+        .ok()
+        .and_then(|v| v["error"]["message"].as_str().map(str::to_string))
+        .unwrap_or(text);
+    Err(format!(
+        "the producer refused the lease claim (HTTP {status}): {reason}"
+    ))
+}
+
+/// `GET url` → a validated [`NixlHandshake`], or why not.
+fn fetch_handshake(
+    client: &reqwest::blocking::Client,
+    url: &str,
+    auth_header: Option<&str>,
+) -> Result<NixlHandshake, String> {
+    let mut req = client.get(url);
+    if let Some(h) = auth_header {
+        req = req.header(crate::auth::KV_AUTH_HEADER, h);
+    }
+    let resp = req
         .send()
         .map_err(|e| format!("handshake {url} unreachable: {}", error_chain(&e)))?;
     let status = resp.status();

@@ -15,14 +15,19 @@
 //! compatible; then it sends `renew`, posts one READ with `done` attached, and reports the
 //! request loaded (or failed, with a reason). The producer frees on `done` or lease expiry.
 //!
-//! Security: the handshake exposes the agent's metadata, and NIXL does not authenticate peers:
-//! anything that can reach a producer's HTTP port and UCX can read its KV memory. Run P/D
-//! instances on a trusted network, as with vLLM.
+//! Security ([`access`]): a consumer reads only blocks the producer leased for the params it
+//! was given, once (the claim), and with a deployment secret only params the producer signed,
+//! from producers in `allowed_producers`; the handshake (which carries the NIXL metadata a READ
+//! needs) is served only to signed requests then. NIXL itself does not authenticate peers: a
+//! process that has the handshake and reaches UCX can read the registered memory, which is why
+//! an instance without a secret listens on loopback only (the server enforces it).
 //!
 //! Invariants: [`nixl_pull_connector`] loads NIXL before anything else touches it (and fails
 //! with the library's error if it cannot); the handshake is published once, when the worker
 //! registers its KV caches, and never changes afterwards.
 
+pub mod access;
+pub mod leases;
 pub mod loader;
 pub mod protocol;
 pub mod scheduler;
@@ -30,11 +35,14 @@ pub mod worker;
 
 use std::sync::{Arc, OnceLock};
 
+pub use access::{KvAdmission, KvPeerService, CLAIM_PATH, RELEASE_PATH};
+pub use leases::{LeaseTable, ReleaseOutcome};
 pub use loader::LoaderConfig;
 pub use protocol::{LeaseSpec, LoadKind, LoadSpec, PeerAddr, PullMetadata, PullNotif};
 pub use scheduler::{NixlPullScheduler, PullSchedulerConfig, PullSchedulerStats};
 pub use worker::{NixlPullWorker, PullWorkerConfig};
 
+use crate::auth::TransferAuth;
 use crate::base::{KvConnectorScheduler, KvConnectorWorker};
 use crate::config::KvTransferConfig;
 use crate::error::KvConnectorError;
@@ -72,8 +80,12 @@ pub struct NixlPullConnector {
     pub scheduler: NixlPullScheduler,
     /// Creates its NIXL agent in `register_kv_caches`.
     pub worker: NixlPullWorker,
-    /// Serve [`HandshakeProvider::json`] at [`HANDSHAKE_PATH`].
+    /// Serve [`HandshakeProvider::json`] at [`HANDSHAKE_PATH`] (through [`Self::peer_service`]).
     pub handshake: HandshakeProvider,
+    /// The producer's KV routes: handshake, claim, release.
+    pub peer_service: KvPeerService,
+    /// The consumer's check of a request's params, before the engine sees them.
+    pub admission: KvAdmission,
     /// The NIXL library this process loaded (for the startup log).
     pub library: NixlLibrary,
 }
@@ -85,12 +97,14 @@ impl NixlPullConnector {
     ) -> (
         Box<dyn KvConnectorScheduler>,
         Box<dyn KvConnectorWorker>,
-        HandshakeProvider,
+        KvPeerService,
+        KvAdmission,
     ) {
         (
             Box::new(self.scheduler),
             Box::new(self.worker),
-            self.handshake,
+            self.peer_service,
+            self.admission,
         )
     }
 }
@@ -107,17 +121,23 @@ pub fn nixl_pull_connector(
     model_name: &str,
     block_size: usize,
     http_port: u16,
+    auth: Option<TransferAuth>,
 ) -> Result<NixlPullConnector, KvConnectorError> {
     let extra = &config.kv_connector_extra_config;
     let library = load_nixl(extra.nixl_lib_dir.as_deref())?;
-    let scheduler = NixlPullScheduler::new(PullSchedulerConfig {
-        role: config.kv_role,
-        engine_id: config.engine_id.clone(),
-        block_size,
-        side_channel_host: extra.side_channel_host.clone(),
-        http_port,
-        kv_lease_duration: extra.kv_lease_duration,
-    })?;
+    let lease_table = LeaseTable::new();
+    let scheduler = NixlPullScheduler::with_lease_table(
+        PullSchedulerConfig {
+            role: config.kv_role,
+            engine_id: config.engine_id.clone(),
+            block_size,
+            side_channel_host: extra.side_channel_host.clone(),
+            http_port,
+            kv_lease_duration: extra.kv_lease_duration,
+            auth: auth.clone(),
+        },
+        lease_table.clone(),
+    )?;
     let mut agent = NixlAgentConfig::new(&config.engine_id, model_name);
     agent.lib_dir = extra.nixl_lib_dir.clone();
     agent.progress_thread = config.progress_thread();
@@ -129,16 +149,28 @@ pub fn nixl_pull_connector(
             kv_lease_duration: extra.kv_lease_duration,
             load_timeout: extra.load_timeout,
             handshake_timeout: extra.handshake_timeout,
+            auth: auth.clone(),
         },
         handshake.clone(),
+        lease_table.clone(),
     );
+    let peer_service = KvPeerService::new(
+        config.engine_id.clone(),
+        handshake.clone(),
+        lease_table,
+        auth.clone(),
+    );
+    let admission = KvAdmission::new(auth.clone(), extra.producer_allowlist(auth.is_some()));
     tracing::info!(role = config.kv_role.as_str(), engine_id = %config.engine_id,
         side_channel_host = %extra.side_channel_host, http_port,
-        library = %library.path.display(), "NIXL pull connector configured");
+        library = %library.path.display(), signed = auth.is_some(),
+        "NIXL pull connector configured");
     Ok(NixlPullConnector {
         scheduler,
         worker,
         handshake,
+        peer_service,
+        admission,
         library,
     })
 }

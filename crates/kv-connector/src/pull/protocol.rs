@@ -67,7 +67,11 @@ pub struct PeerAddr {
 impl PeerAddr {
     /// Where the producer serves its handshake (IPv6 literals bracketed).
     pub fn handshake_url(&self) -> String {
-        let path = super::HANDSHAKE_PATH;
+        self.url(super::HANDSHAKE_PATH)
+    }
+
+    /// `path` on the producer's HTTP port.
+    pub fn url(&self, path: &str) -> String {
         if self.host.contains(':') && !self.host.starts_with('[') {
             format!("http://[{}]:{}{path}", self.host, self.port)
         } else {
@@ -111,6 +115,8 @@ pub struct LoadSpec {
     pub local_block_ids: Vec<BlockId>,
     /// The producer's source blocks, pairwise with `local_block_ids`.
     pub remote_block_ids: Vec<BlockId>,
+    /// A READ's `POST /v1/kv/claim` body (the request's params as the producer issued them).
+    pub claim_body: Option<String>,
 }
 
 /// A producer request whose blocks are held for a consumer until `deadline` (or its done

@@ -28,7 +28,10 @@ use std::time::{Duration, Instant};
 
 use tandem_kv_cache::BlockId;
 
+use super::access::PARAMS_FIELD;
+use super::leases::LeaseTable;
 use super::protocol::{LeaseSpec, LoadKind, LoadSpec, PeerAddr, PullMetadata};
+use crate::auth::{unix_millis, TransferAuth};
 use crate::base::{
     ConnectorMetadata, ConnectorOutput, ConnectorRequest, FinishKind, FinishedAction,
     KvChecksumCarrier, KvConnectorScheduler, MatchedTokens,
@@ -48,6 +51,8 @@ pub struct PullSchedulerConfig {
     /// This instance's HTTP port, advertised as `remote_port`.
     pub http_port: u16,
     pub kv_lease_duration: Duration,
+    /// The deployment secret: a producer signs the params it answers with it.
+    pub auth: Option<TransferAuth>,
 }
 
 /// Request counts the scheduler side still tracks (all zero when idle).
@@ -76,10 +81,22 @@ pub struct NixlPullScheduler {
     /// Consumer requests whose load was recorded (so their end needs no release).
     consumers: HashSet<u64>,
     pending: PullMetadata,
+    /// Issued leases as the producer's claim and release routes see them.
+    lease_table: LeaseTable,
 }
 
 impl NixlPullScheduler {
+    /// A scheduler side with a lease table of its own (tests; see [`Self::with_lease_table`]).
     pub fn new(config: PullSchedulerConfig) -> Result<Self, KvConnectorError> {
+        Self::with_lease_table(config, LeaseTable::new())
+    }
+
+    /// A scheduler side that issues its leases into `lease_table` (shared with the worker side
+    /// and the producer's HTTP routes).
+    pub fn with_lease_table(
+        config: PullSchedulerConfig,
+        lease_table: LeaseTable,
+    ) -> Result<Self, KvConnectorError> {
         if config.block_size == 0 {
             return Err(KvConnectorError::InvalidConfig("block size 0".into()));
         }
@@ -95,7 +112,13 @@ impl NixlPullScheduler {
             leases: HashMap::new(),
             consumers: HashSet::new(),
             pending: PullMetadata::default(),
+            lease_table,
         })
+    }
+
+    /// The table this side issues leases into.
+    pub fn lease_table(&self) -> &LeaseTable {
+        &self.lease_table
     }
 
     pub fn config(&self) -> &PullSchedulerConfig {
@@ -140,6 +163,7 @@ impl NixlPullScheduler {
             remote_request_id: remote.remote_request_id.clone(),
             local_block_ids: Vec::new(),
             remote_block_ids: Vec::new(),
+            claim_body: None,
         }
     }
 
@@ -256,6 +280,8 @@ impl KvConnectorScheduler for NixlPullScheduler {
         } else {
             spec.local_block_ids = block_ids[first..end].to_vec();
             spec.remote_block_ids = remote.remote_block_ids[first..end].to_vec();
+            let params = request.kv_transfer_params.cloned().unwrap_or_default();
+            spec.claim_body = Some(serde_json::json!({ PARAMS_FIELD: params }).to_string());
         }
         self.pending.loads.push(spec);
     }
@@ -274,6 +300,12 @@ impl KvConnectorScheduler for NixlPullScheduler {
         for id in &output.finished_sending {
             self.leases.remove(id);
             self.cancelled.remove(id);
+        }
+    }
+
+    fn seal_transfer_params(&mut self, params: &mut serde_json::Map<String, serde_json::Value>) {
+        if let Some(auth) = &self.config.auth {
+            auth.sign_params(params, unix_millis(), self.config.kv_lease_duration);
         }
     }
 
@@ -328,11 +360,14 @@ impl KvConnectorScheduler for NixlPullScheduler {
                     remote_port: self.config.http_port,
                     tp_size: SUPPORTED_TP_SIZE,
                 };
+                let deadline = Instant::now() + self.config.kv_lease_duration;
+                self.lease_table
+                    .issue(&remote_request_id, &params.remote_block_ids, deadline);
                 self.leases.insert(id, remote_request_id.clone());
                 self.pending.leases.push(LeaseSpec {
                     request_id: id,
                     remote_request_id,
-                    deadline: Instant::now() + self.config.kv_lease_duration,
+                    deadline,
                 });
                 FinishedAction {
                     delay_free: true,
@@ -357,6 +392,7 @@ mod tests {
             side_channel_host: "10.0.0.1".into(),
             http_port: 8100,
             kv_lease_duration: Duration::from_secs(30),
+            auth: None,
         })
         .unwrap()
     }

@@ -23,9 +23,11 @@ use std::time::{Duration, Instant};
 
 use tandem_kv_cache::KvStorage;
 
+use super::leases::LeaseTable;
 use super::loader::{LoadJob, LoadOutcome, Loader, LoaderConfig};
 use super::protocol::{LoadKind, LoadSpec, PullMetadata, PullNotif};
 use super::HandshakeProvider;
+use crate::auth::TransferAuth;
 use crate::base::{ConnectorMetadata, ConnectorOutput, KvConnectorWorker};
 use crate::config::KvRole;
 use crate::error::KvConnectorError;
@@ -43,6 +45,8 @@ pub struct PullWorkerConfig {
     pub kv_lease_duration: Duration,
     pub load_timeout: Duration,
     pub handshake_timeout: Duration,
+    /// The deployment secret: a consumer signs its handshake requests with it.
+    pub auth: Option<TransferAuth>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -68,6 +72,8 @@ pub struct NixlPullWorker {
     cancelled: HashSet<u64>,
     /// Reported at the next `get_finished` (loads that could not even be handed off).
     pending: ConnectorOutput,
+    /// Producer: the issued leases as the HTTP routes see them (ended here when freed).
+    lease_table: LeaseTable,
 }
 
 impl std::fmt::Debug for NixlPullWorker {
@@ -82,8 +88,14 @@ impl std::fmt::Debug for NixlPullWorker {
 }
 
 impl NixlPullWorker {
-    pub fn new(config: PullWorkerConfig, handshake: HandshakeProvider) -> Self {
+    /// A worker side; `lease_table` is the one its scheduler side issues leases into.
+    pub fn new(
+        config: PullWorkerConfig,
+        handshake: HandshakeProvider,
+        lease_table: LeaseTable,
+    ) -> Self {
         NixlPullWorker {
+            lease_table,
             config,
             handshake,
             loader: None,
@@ -158,6 +170,7 @@ impl NixlPullWorker {
             remote_request_id: spec.remote_request_id.clone(),
             local: spec.local_block_ids.iter().map(|&b| b as usize).collect(),
             remote: spec.remote_block_ids.iter().map(|&b| b as usize).collect(),
+            claim_body: spec.claim_body.clone(),
             cancel: cancel.clone(),
         };
         if loader.submit(job) {
@@ -172,6 +185,7 @@ impl NixlPullWorker {
     fn add_lease(&mut self, request_id: u64, remote_request_id: &str, deadline: Instant) {
         if self.early_done.remove(remote_request_id).is_some() {
             tracing::debug!(request = request_id, "KV lease released by an early done");
+            self.lease_table.end(remote_request_id);
             self.pending.finished_sending.insert(request_id);
             return;
         }
@@ -240,6 +254,7 @@ impl NixlPullWorker {
             match PullNotif::decode(&bytes) {
                 Some(PullNotif::Done(rid)) => match self.leases.remove(rid) {
                     Some(lease) => {
+                        self.lease_table.end(rid);
                         tracing::debug!(request = lease.request_id, consumer = %sender,
                             "KV blocks read; freeing");
                         out.finished_sending.insert(lease.request_id);
@@ -269,17 +284,36 @@ impl NixlPullWorker {
     fn expire_leases(&mut self, out: &mut ConnectorOutput) {
         let now = Instant::now();
         let lease = self.config.kv_lease_duration;
+        let table = &self.lease_table;
         self.leases.retain(|rid, l| {
             if l.deadline > now {
                 return true;
             }
             tracing::warn!(request = l.request_id, remote_request_id = %rid,
                 lease = ?lease, "KV lease expired before the consumer read the blocks; freeing");
+            table.end(rid);
             out.finished_sending.insert(l.request_id);
             out.stats.expired_leases += 1;
             false
         });
         self.prune_early_done(now, false);
+    }
+
+    /// Leases the proxy gave back (`POST /v1/kv/release`) end like a `done`.
+    fn drain_releases(&mut self, out: &mut ConnectorOutput) {
+        let now = Instant::now();
+        for rid in self.lease_table.take_released() {
+            match self.leases.remove(&rid) {
+                Some(lease) => {
+                    tracing::debug!(request = lease.request_id, "KV lease released; freeing");
+                    self.lease_table.end(&rid);
+                    out.finished_sending.insert(lease.request_id);
+                }
+                None => {
+                    self.early_done.insert(rid, now);
+                }
+            }
+        }
     }
 
     /// Drops early `done`s older than a lease (all but the newest half when `full`).
@@ -315,6 +349,7 @@ impl KvConnectorWorker for NixlPullWorker {
                     progress_when_idle: !self.config.agent.progress_thread
                         && !self.config.role.is_producer(),
                 },
+                self.config.auth.clone(),
             )?);
         }
         self.agent = Some(agent);
@@ -358,6 +393,7 @@ impl KvConnectorWorker for NixlPullWorker {
         self.drain_loads(&mut out);
         if self.config.role.is_producer() {
             self.drain_notifs(&mut out);
+            self.drain_releases(&mut out);
             self.expire_leases(&mut out);
         }
         out

@@ -3,12 +3,18 @@
 //!
 //! Invariants: `Default` equals the clap defaults (a test checks it); `validate` is the one place
 //! that rejects a configuration (no upstream of a role, a URL that is not http(s), a non-positive
-//! timeout), so `ProxyState::new` never starts with a setting it cannot honour.
+//! timeout, edge limits `tandem_http_edge::EdgeLimits` refuses), so `ProxyState::new` never starts
+//! with a setting it cannot honour. API keys are `ApiKey`s: parsed non-empty, never printed
+//! (`Debug` redacts them, `--help` hides their env values); the upstream key defaults to the
+//! client-facing one.
 
 use std::time::Duration;
 
 use clap::Args;
 use serde::{Deserialize, Serialize};
+use tandem_http_edge::{
+    ApiKey, EdgeLimits, DEFAULT_HEADER_READ_TIMEOUT_SECS, DEFAULT_MAX_CONNECTIONS,
+};
 
 use crate::error::ProxyError;
 
@@ -89,6 +95,26 @@ pub struct ProxyArgs {
     /// Largest request body accepted, in bytes; a larger one answers 413.
     #[arg(long, env = "TANDEM_PROXY_MAX_BODY_BYTES", default_value_t = DEFAULT_MAX_BODY_BYTES)]
     pub max_body_bytes: usize,
+
+    /// Key clients must send as `Authorization: Bearer <key>` on every route but `/health` and
+    /// `/metrics`; a missing or wrong key answers 401. Unset: no key is asked for.
+    #[arg(long, env = "TANDEM_PROXY_API_KEY", hide_env_values = true)]
+    pub api_key: Option<ApiKey>,
+
+    /// Key the proxy sends as `Authorization: Bearer <key>` on every call to a prefill or decode
+    /// instance (completions, models, health checks, KV releases). Default: the `--api-key` value.
+    /// The client's own `Authorization` header is never forwarded.
+    #[arg(long, env = "TANDEM_PROXY_UPSTREAM_API_KEY", hide_env_values = true)]
+    pub upstream_api_key: Option<ApiKey>,
+
+    /// Most client connections served at once; a connection over it is closed at once.
+    #[arg(long, env = "TANDEM_PROXY_MAX_CONNECTIONS", default_value_t = DEFAULT_MAX_CONNECTIONS)]
+    pub max_connections: usize,
+
+    /// Seconds a client connection may take to send its request headers (and may stay idle
+    /// between two requests on a keep-alive connection); past it the connection is closed.
+    #[arg(long, env = "TANDEM_PROXY_HEADER_READ_TIMEOUT_SECS", default_value_t = DEFAULT_HEADER_READ_TIMEOUT_SECS)]
+    pub header_read_timeout_secs: f64,
 }
 
 impl Default for ProxyArgs {
@@ -105,6 +131,10 @@ impl Default for ProxyArgs {
             health_check_interval_secs: DEFAULT_HEALTH_CHECK_INTERVAL_SECS,
             health_check_timeout_secs: DEFAULT_HEALTH_CHECK_TIMEOUT_SECS,
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            api_key: None,
+            upstream_api_key: None,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+            header_read_timeout_secs: DEFAULT_HEADER_READ_TIMEOUT_SECS,
         }
     }
 }
@@ -121,6 +151,11 @@ pub(crate) struct Settings {
     pub health_check_interval: Duration,
     pub health_check_timeout: Duration,
     pub max_body_bytes: usize,
+    /// What clients must send; `None`: every route is open.
+    pub api_key: Option<ApiKey>,
+    /// What the proxy sends upstream; `None`: no `Authorization` header.
+    pub upstream_api_key: Option<ApiKey>,
+    pub edge: EdgeLimits,
 }
 
 impl ProxyArgs {
@@ -145,6 +180,13 @@ impl ProxyArgs {
                 self.health_check_timeout_secs,
             )?,
             max_body_bytes: self.max_body_bytes,
+            api_key: self.api_key.clone(),
+            upstream_api_key: self
+                .upstream_api_key
+                .clone()
+                .or_else(|| self.api_key.clone()),
+            edge: EdgeLimits::new(self.max_connections, self.header_read_timeout_secs)
+                .map_err(|e| ProxyError::Config(e.to_string()))?,
         })
     }
 }
@@ -236,5 +278,44 @@ mod tests {
         assert!(args.validate().is_err(), "zero timeout");
         args.connect_timeout_secs = f64::NAN;
         assert!(args.validate().is_err(), "NaN timeout");
+        args.connect_timeout_secs = 1.0;
+        args.max_connections = 0;
+        assert!(args.validate().is_err(), "zero max_connections");
+        args.max_connections = 8;
+        args.header_read_timeout_secs = 0.0;
+        assert!(args.validate().is_err(), "zero header read timeout");
+    }
+
+    #[test]
+    fn upstream_key_defaults_to_the_client_key_and_keys_are_redacted() {
+        let cli = Cli::try_parse_from([
+            "proxy",
+            "--prefill",
+            "http://a:1",
+            "--decode",
+            "http://c:3",
+            "--api-key",
+            "sk-client",
+            "--max-connections",
+            "64",
+            "--header-read-timeout-secs",
+            "2.5",
+        ])
+        .unwrap();
+        let settings = cli.args.validate().unwrap();
+        assert!(settings.upstream_api_key.unwrap().matches(b"sk-client"));
+        assert_eq!(settings.edge.max_connections, 64);
+        assert_eq!(
+            settings.edge.header_read_timeout,
+            Duration::from_millis(2500)
+        );
+        assert!(!format!("{:?}", cli.args).contains("sk-client"));
+
+        let mut args = cli.args;
+        args.upstream_api_key = Some("sk-upstream".parse().unwrap());
+        let settings = args.validate().unwrap();
+        assert!(settings.upstream_api_key.unwrap().matches(b"sk-upstream"));
+        assert!(settings.api_key.unwrap().matches(b"sk-client"));
+        assert!(Cli::try_parse_from(["proxy", "--api-key", "has space"]).is_err());
     }
 }

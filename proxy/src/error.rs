@@ -5,6 +5,9 @@
 //! carry diagnostics (upstream URLs, I/O errors): those go to the log. The one exception is an
 //! upstream's own OpenAI error ([`ProxyError::UpstreamErrorResponse`]), which is passed through
 //! verbatim with the upstream's status. `code` doubles as the `outcome` label of the metrics.
+//! A decode stream that breaks after its status was sent cannot get an error status any more;
+//! [`mid_stream_error_event`] is the SSE event that ends it instead, in the instance server's
+//! shape (`code` is the HTTP status as a number there).
 
 use std::time::Duration;
 
@@ -36,6 +39,12 @@ pub enum ProxyError {
     /// The client's body is not a JSON object.
     #[error("invalid request body: {message}")]
     InvalidBody { message: String },
+    /// A field of the client's body has a value the request cannot be served with.
+    #[error("invalid {param}: {message}")]
+    InvalidParam {
+        param: &'static str,
+        message: String,
+    },
     /// The client's body is larger than `max_body_bytes`.
     #[error("request body larger than {limit} bytes")]
     BodyTooLarge { limit: usize },
@@ -103,7 +112,7 @@ impl ProxyError {
     /// The HTTP status the client gets.
     pub fn status(&self) -> StatusCode {
         match self {
-            Self::InvalidBody { .. } => StatusCode::BAD_REQUEST,
+            Self::InvalidBody { .. } | Self::InvalidParam { .. } => StatusCode::BAD_REQUEST,
             Self::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::NotFound { .. } | Self::MetricsDisabled => StatusCode::NOT_FOUND,
             Self::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
@@ -128,6 +137,7 @@ impl ProxyError {
                 "internal_error"
             }
             Self::InvalidBody { .. } => "invalid_body",
+            Self::InvalidParam { .. } => "invalid_param",
             Self::BodyTooLarge { .. } => "body_too_large",
             Self::NoHealthyInstance { .. } => "no_healthy_instance",
             Self::UpstreamConnect { .. } => "upstream_unreachable",
@@ -159,6 +169,7 @@ impl ProxyError {
     fn client_message(&self) -> String {
         match self {
             Self::InvalidBody { message } => format!("invalid request body: {message}"),
+            Self::InvalidParam { param, message } => format!("invalid {param}: {message}"),
             Self::BodyTooLarge { limit } => {
                 format!("request body larger than the limit of {limit} bytes")
             }
@@ -193,13 +204,21 @@ impl ProxyError {
         }
     }
 
+    /// The envelope's `param`: the client's field at fault, if one is.
+    fn param(&self) -> Option<&'static str> {
+        match self {
+            Self::InvalidParam { param, .. } => Some(param),
+            _ => None,
+        }
+    }
+
     /// The OpenAI error envelope for this error.
     pub fn envelope(&self) -> serde_json::Value {
         json!({
             "error": {
                 "message": self.client_message(),
                 "type": self.error_type(),
-                "param": null,
+                "param": self.param(),
                 "code": self.code(),
             }
         })
@@ -226,6 +245,20 @@ impl IntoResponse for ProxyError {
         );
         response
     }
+}
+
+/// The SSE event that ends a client's stream when its decode instance failed mid-stream, then
+/// `data: [DONE]`. Same shape as the instance server's mid-stream error events; no diagnostics.
+pub(crate) fn mid_stream_error_event() -> Bytes {
+    let event = json!({
+        "error": {
+            "message": "the decode instance failed mid-stream; the answer is incomplete",
+            "type": "upstream_error",
+            "param": null,
+            "code": StatusCode::BAD_GATEWAY.as_u16(),
+        }
+    });
+    Bytes::from(format!("data: {event}\n\ndata: [DONE]\n\n"))
 }
 
 /// Whether `body` is an OpenAI error envelope: a JSON object whose `error` is an object with a
@@ -255,6 +288,38 @@ mod tests {
         keys.sort();
         assert_eq!(keys, ["code", "message", "param", "type"]);
         assert!(!env.to_string().contains("10.0.0.7"), "{env}");
+    }
+
+    #[test]
+    fn invalid_param_names_the_field() {
+        let err = ProxyError::InvalidParam {
+            param: "max_tokens",
+            message: "must be at least 1".into(),
+        };
+        assert_eq!(err.status(), StatusCode::BAD_REQUEST);
+        let env = err.envelope();
+        assert_eq!(env["error"]["param"], "max_tokens");
+        assert_eq!(env["error"]["code"], "invalid_param");
+        assert!(env["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("max_tokens"));
+    }
+
+    #[test]
+    fn mid_stream_event_is_an_error_then_done() {
+        let event = mid_stream_error_event();
+        let text = std::str::from_utf8(&event).unwrap();
+        let (first, rest) = text.split_once("\n\n").unwrap();
+        assert_eq!(rest, "data: [DONE]\n\n");
+        let value: serde_json::Value =
+            serde_json::from_str(first.strip_prefix("data: ").unwrap()).unwrap();
+        assert_eq!(value["error"]["type"], "upstream_error");
+        assert_eq!(value["error"]["code"], 502);
+        assert!(value["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("failed mid-stream"));
     }
 
     #[test]

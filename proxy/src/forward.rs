@@ -1,13 +1,20 @@
 //! The P/D flow of one request, from the client's body to the decode instance's streamed answer.
 //!
-//! 1. Parse the body (a JSON object, else 400) and drop the client's `kv_transfer_params`.
+//! 1. Parse the body (a JSON object, else 400), drop the client's `kv_transfer_params`, check
+//!    what needs no model (`request::validate_client_body`, else 400 naming the field), and
+//!    check that some decode instance is in rotation (else 503, before any prefill).
 //! 2. Prefill: lease the least-loaded healthy prefill instance, POST the one-token copy
 //!    (`request::prefill_body`) within `prefill_timeout`, read its `kv_transfer_params`.
 //! 3. Decode: lease a decode instance, POST the client's body plus those params, and answer the
 //!    client with the decode instance's status, content type and body, relayed chunk by chunk.
+//!    If the decode call fails (connect, timeout, error status), the producer's blocks are
+//!    released at once (`release`). If an SSE body breaks mid-stream, the client's stream ends
+//!    with an error event and `data: [DONE]` (`error::mid_stream_error_event`); any other body
+//!    that breaks is cut (the client sees a truncated answer).
 //!
 //! Invariants: one `X-Request-Id` (the client's, else a new UUID) goes on both upstream calls and
-//! on the answer. A failed *connect* (nothing sent) marks the instance unhealthy and is retried
+//! on the answer. Upstream calls carry the proxy's own key (`ProxyState::upstream`), never the
+//! client's `Authorization`. A failed *connect* (nothing sent) marks the instance unhealthy and is retried
 //! once on another instance of the role; nothing else is retried. The decode lease lives inside
 //! the relayed body, so a client that goes away drops the body, the lease and the upstream
 //! response (reqwest then closes that connection, which aborts the generation upstream); a
@@ -29,16 +36,15 @@ use futures::{Stream, StreamExt};
 use serde_json::{Map, Value};
 use tracing::Instrument;
 
-use crate::error::{is_openai_error, ProxyError};
+use crate::error::{is_openai_error, mid_stream_error_event, ProxyError};
 use crate::pool::{Instance, Lease, Role};
+use crate::release::spawn_release;
 use crate::request::{
-    decode_body, kv_transfer_params, parse_client_body, prefill_body, ClientBody, KvParamsError,
+    decode_body, kv_transfer_params, parse_client_body, prefill_body, validate_client_body,
+    ClientBody, KvParamsError, X_REQUEST_ID,
 };
 use crate::state::ProxyState;
 use crate::telemetry;
-
-/// The header that names a request across the proxy and both instances.
-pub const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
 /// Longest client `X-Request-Id` taken as is; a longer or non-printable one is replaced.
 const MAX_REQUEST_ID_LEN: usize = 256;
@@ -78,7 +84,6 @@ struct Ctx {
     state: ProxyState,
     route: Route,
     request_id: String,
-    authorization: Option<HeaderValue>,
     started: Instant,
 }
 
@@ -115,7 +120,6 @@ async fn handle(
         state,
         route,
         request_id: request_id(&headers),
-        authorization: headers.get(header::AUTHORIZATION).cloned(),
         started: Instant::now(),
     };
     let span = tracing::debug_span!("proxy", request_id = %ctx.request_id, route = route.label());
@@ -191,19 +195,29 @@ async fn pd_request(
         }
     })?;
     let client_body = parse_client_body(&bytes)?;
+    validate_client_body(&client_body)?;
+    // A prefill whose KV no decode instance could take would only pin the producer's blocks.
+    if !ctx.state.pool(Role::Decode).has_healthy() {
+        return Err(ProxyError::NoHealthyInstance { role: Role::Decode });
+    }
 
     let prefill = prefill_body(&client_body);
-    let kv = with_connect_retry(&ctx.state, Role::Prefill, |lease| {
+    let (producer, kv) = with_connect_retry(&ctx.state, Role::Prefill, |lease| {
         prefill_once(ctx, lease, &prefill)
     })
     .await?;
     telemetry::prefill_took(ctx.started.elapsed().as_secs_f64());
 
-    let decode = decode_body(client_body, kv);
-    with_connect_retry(&ctx.state, Role::Decode, |lease| {
+    let decode = decode_body(client_body, kv.clone());
+    let result = with_connect_retry(&ctx.state, Role::Decode, |lease| {
         decode_once(ctx, lease, &decode)
     })
-    .await
+    .await;
+    if let Err(error) = &result {
+        tracing::info!(%error, "decode call failed; releasing the producer's KV blocks");
+        spawn_release(&ctx.state, &producer, &ctx.request_id, kv);
+    }
+    result
 }
 
 /// Runs `attempt` on a leased instance of `role`; if it could not connect, takes that instance
@@ -252,19 +266,14 @@ fn observe<T>(
     result
 }
 
-/// A POST of `body` to `path` on the leased instance, with the request's id and credentials.
+/// A POST of `body` to the route's path on the instance, with the request's id and the proxy's
+/// upstream key.
 fn post(ctx: &Ctx, instance: &Instance, body: &ClientBody) -> reqwest::RequestBuilder {
     let url = format!("{}{}", instance.url(), ctx.route.path());
-    let builder = ctx
-        .state
-        .client()
-        .post(url)
+    ctx.state
+        .upstream(ctx.state.client().post(url))
         .header(X_REQUEST_ID, ctx.request_id.as_str())
-        .json(body);
-    match &ctx.authorization {
-        Some(auth) => builder.header(header::AUTHORIZATION, auth.clone()),
-        None => builder,
-    }
+        .json(body)
 }
 
 fn transport_error(instance: &Instance, source: reqwest::Error) -> ProxyError {
@@ -312,12 +321,13 @@ async fn read_capped(mut response: reqwest::Response) -> Result<Bytes, reqwest::
     Ok(body.into())
 }
 
-/// One prefill call: the whole exchange within `prefill_timeout`; returns the producer's params.
+/// One prefill call: the whole exchange within `prefill_timeout`; returns the producer's base
+/// URL and its params.
 async fn prefill_once(
     ctx: &Ctx,
     lease: Lease,
     body: &ClientBody,
-) -> Result<Map<String, Value>, ProxyError> {
+) -> Result<(String, Map<String, Value>), ProxyError> {
     let instance = lease.instance().clone();
     let limit = ctx.state.settings().prefill_timeout;
     let exchange = async {
@@ -338,7 +348,7 @@ async fn prefill_once(
     if !status.is_success() {
         return Err(error_status(&instance, status, bytes));
     }
-    kv_transfer_params(&bytes).map_err(|e| match e {
+    let params = kv_transfer_params(&bytes).map_err(|e| match e {
         KvParamsError::Missing => ProxyError::MissingKvTransferParams {
             url: instance.url().to_owned(),
         },
@@ -347,7 +357,8 @@ async fn prefill_once(
             url: instance.url().to_owned(),
             reason,
         },
-    })
+    })?;
+    Ok((instance.url().to_owned(), params))
 }
 
 /// One decode call: its head within `decode_first_byte_timeout`, then its body relayed.
@@ -368,6 +379,11 @@ async fn decode_once(ctx: &Ctx, lease: Lease, body: &ClientBody) -> Result<Respo
             .map_err(|e| transport_error(&instance, e))?;
         return Err(error_status(&instance, status, bytes));
     }
+    let sse = response
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.trim_start().starts_with("text/event-stream"));
     let mut answer = Response::builder().status(status);
     for name in RELAYED_HEADERS {
         if let Some(value) = response.headers().get(&name) {
@@ -379,6 +395,8 @@ async fn decode_once(ctx: &Ctx, lease: Lease, body: &ClientBody) -> Result<Respo
         route: ctx.route.label(),
         request_id: ctx.request_id.clone(),
         started: ctx.started,
+        sse,
+        at_event_boundary: true,
         first_chunk_seen: false,
         finished: false,
     };
@@ -399,12 +417,17 @@ struct InFlight {
     route: &'static str,
     request_id: String,
     started: Instant,
+    /// The body is an SSE stream (it can be ended with an error event).
+    sse: bool,
+    /// The bytes relayed so far end with a complete SSE event (or nothing was relayed).
+    at_event_boundary: bool,
     first_chunk_seen: bool,
     finished: bool,
 }
 
 impl InFlight {
-    fn chunk(&mut self) {
+    fn chunk(&mut self, chunk: &[u8]) {
+        self.at_event_boundary = chunk.ends_with(b"\n\n") || chunk.ends_with(b"\r\n\r\n");
         if !self.first_chunk_seen {
             self.first_chunk_seen = true;
             telemetry::first_chunk_after(self.started.elapsed().as_secs_f64());
@@ -428,8 +451,10 @@ impl Drop for InFlight {
 
 type UpstreamBody = Pin<Box<dyn Stream<Item = reqwest::Result<Bytes>> + Send>>;
 
-/// Relays `upstream` chunk by chunk; a silence longer than `idle` or an upstream error ends the
-/// body with an error (the client's connection is cut, so it sees a truncated answer).
+/// Relays `upstream` chunk by chunk. An upstream error ends an SSE body with the mid-stream error
+/// event and `[DONE]` (after a blank line if an event was left half-sent); it ends any other body
+/// with an error, as does a silence longer than `idle` (the client's connection is cut, so it
+/// sees a truncated answer).
 fn relay(
     upstream: UpstreamBody,
     in_flight: InFlight,
@@ -441,12 +466,23 @@ fn relay(
             match tokio::time::timeout(idle, upstream.next()).await {
                 Ok(Some(Ok(chunk))) if chunk.is_empty() => continue,
                 Ok(Some(Ok(chunk))) => {
-                    in_flight.chunk();
+                    in_flight.chunk(&chunk);
                     return Some((Ok(chunk), Some((upstream, in_flight))));
                 }
                 Ok(None) => {
                     in_flight.finish(telemetry::OUTCOME_OK);
                     return None;
+                }
+                Ok(Some(Err(e))) if in_flight.sse => {
+                    tracing::warn!(request_id = %in_flight.request_id, error = %e, "decode instance failed mid-stream; ending the client's stream with an error event");
+                    in_flight.finish(telemetry::OUTCOME_DECODE_FAILED_MID_STREAM);
+                    let event = mid_stream_error_event();
+                    let end = if in_flight.at_event_boundary {
+                        event
+                    } else {
+                        Bytes::from([&b"\n\n"[..], &event].concat())
+                    };
+                    return Some((Ok(end), None));
                 }
                 Ok(Some(Err(e))) => {
                     tracing::warn!(request_id = %in_flight.request_id, error = %e, "decode body failed mid-stream");
@@ -479,15 +515,10 @@ async fn models_once(ctx: &Ctx, lease: Lease) -> Result<Response, ProxyError> {
     let limit = ctx.state.settings().prefill_timeout;
     let exchange = async {
         let url = format!("{}{}", instance.url(), ctx.route.path());
-        let mut request = ctx
+        let response = ctx
             .state
-            .client()
-            .get(url)
-            .header(X_REQUEST_ID, ctx.request_id.as_str());
-        if let Some(auth) = &ctx.authorization {
-            request = request.header(header::AUTHORIZATION, auth.clone());
-        }
-        let response = request
+            .upstream(ctx.state.client().get(url))
+            .header(X_REQUEST_ID, ctx.request_id.as_str())
             .send()
             .await
             .map_err(|e| transport_error(&instance, e))?;

@@ -17,11 +17,20 @@
 //! cannot be reached or answers badly, 504 on a timeout; an upstream's own OpenAI error is
 //! passed through with its status. A client that disconnects drops the relayed body, which
 //! closes the decode connection. Metrics are named in `telemetry`.
+//!
+//! Hardening: the listener is served by `tandem_http_edge::serve` (`--max-connections`,
+//! `--header-read-timeout-secs`, bounded graceful shutdown); `--api-key` is asked of clients on
+//! every route but `/health` and `/metrics` (`routes`); upstream calls carry the proxy's own
+//! `--upstream-api-key`, never the client's `Authorization` (`state`). Before any prefill the
+//! body's token limits are checked (400) and a decode instance must be in rotation (503). A
+//! failed decode call releases the producer's blocks at once (`release`); a decode SSE stream
+//! that breaks ends for the client with an error event and `[DONE]` (`forward`).
 
 mod config;
 mod error;
 mod forward;
 mod pool;
+mod release;
 mod request;
 mod routes;
 mod state;
@@ -31,10 +40,10 @@ use std::future::Future;
 
 pub use config::ProxyArgs;
 pub use error::ProxyError;
-pub use forward::X_REQUEST_ID;
 pub use pool::{InstanceStatus, Role};
-pub use request::KV_TRANSFER_PARAMS;
-pub use routes::app;
+pub use release::RELEASE_PATH;
+pub use request::{KV_TRANSFER_PARAMS, X_REQUEST_ID};
+pub use routes::{app, OPEN_PATHS};
 pub use state::{ProxyState, ProxyStatus};
 
 /// Runs the proxy until ctrl-c or SIGTERM: installs the global Prometheus recorder (for
@@ -55,8 +64,9 @@ pub async fn serve(args: ProxyArgs) -> Result<(), ProxyError> {
     serve_with(listener, state, shutdown_signal()).await
 }
 
-/// Serves [`app`] on `listener` with the state's health checks running, until `shutdown`
-/// completes; then stops taking connections and waits for the answers in flight.
+/// Serves [`app`] on `listener` through `tandem_http_edge::serve` (the state's connection limit
+/// and header read timeout) with the state's health checks running, until `shutdown` completes;
+/// then stops taking connections and waits (bounded) for the answers in flight.
 pub async fn serve_with(
     listener: tokio::net::TcpListener,
     state: ProxyState,
@@ -70,8 +80,8 @@ pub async fn serve_with(
         "tandem proxy listening"
     );
     let health = state.spawn_health_checks();
-    let result = axum::serve(listener, app(state))
-        .with_graceful_shutdown(shutdown)
+    let limits = state.settings().edge;
+    let result = tandem_http_edge::serve(listener, app(state), limits, shutdown)
         .await
         .map_err(ProxyError::Serve);
     health.abort();

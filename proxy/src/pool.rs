@@ -142,6 +142,11 @@ impl Pool {
         &self.instances
     }
 
+    /// Whether some instance of the role is in rotation.
+    pub(crate) fn has_healthy(&self) -> bool {
+        self.instances.iter().any(|i| i.is_healthy())
+    }
+
     /// Leases the healthy instance with the fewest outstanding requests, other than `exclude`;
     /// among equals, the first after a cursor that advances on every call (round-robin).
     pub(crate) fn acquire(&self, exclude: Option<&Arc<Instance>>) -> Result<Lease, ProxyError> {
@@ -231,11 +236,14 @@ mod tests {
         for _ in 0..3 {
             assert_eq!(url(&pool.acquire(None).unwrap()), "http://h1:1");
         }
+        assert!(pool.has_healthy());
         let other = pool.instances()[1].clone();
         assert!(matches!(
             pool.acquire(Some(&other)),
             Err(ProxyError::NoHealthyInstance { role: Role::Decode })
         ));
+        pool.instances()[1].set_healthy(false);
+        assert!(!pool.has_healthy());
         pool.instances()[0].set_healthy(true);
         assert_eq!(url(&pool.acquire(Some(&other)).unwrap()), "http://h0:1");
     }

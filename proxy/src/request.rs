@@ -4,11 +4,17 @@
 //! Invariants: a client's `kv_transfer_params` never reaches an upstream (it is removed on parse);
 //! the prefill copy asks for exactly one token, not streamed, with `{"do_remote_decode": true};
 //! the decode body is the client's body unchanged except for the producer's `kv_transfer_params`,
-//! which are forwarded as the producer wrote them (every key, known or not).
+//! which are forwarded as the producer wrote them (every key, known or not). What can be checked
+//! without the model (`validate_client_body`: the token limits) is checked before any upstream
+//! call, so a request that cannot be decoded never costs a prefill.
 
+use axum::http::HeaderName;
 use serde_json::{json, Map, Value};
 
 use crate::error::ProxyError;
+
+/// The header that names a request across the proxy and both instances.
+pub const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
 /// The key that carries the P/D handshake in request and response bodies.
 pub const KV_TRANSFER_PARAMS: &str = "kv_transfer_params";
@@ -31,6 +37,27 @@ pub(crate) fn parse_client_body(bytes: &[u8]) -> Result<ClientBody, ProxyError> 
         tracing::debug!("dropped kv_transfer_params sent by the client");
     }
     Ok(body)
+}
+
+/// The token-limit fields: absent or `null` is fine, anything else must be an integer ≥ 1.
+const TOKEN_LIMIT_FIELDS: [&str; 2] = ["max_tokens", "max_completion_tokens"];
+
+/// Checks what needs no model: `max_tokens` / `max_completion_tokens`, when present and not
+/// null, are integers of at least 1 (the decode instance must have a token to generate).
+pub(crate) fn validate_client_body(body: &ClientBody) -> Result<(), ProxyError> {
+    for param in TOKEN_LIMIT_FIELDS {
+        let message = match body.get(param) {
+            None | Some(Value::Null) => continue,
+            Some(Value::Number(n)) if n.as_u64().is_some_and(|n| n >= 1) => continue,
+            Some(Value::Number(n)) if n.is_i64() || n.is_u64() => "must be at least 1",
+            Some(_) => "must be an integer",
+        };
+        return Err(ProxyError::InvalidParam {
+            param,
+            message: message.to_owned(),
+        });
+    }
+    Ok(())
 }
 
 /// The copy sent to the prefill instance: one token, not streamed, one choice, asking the
@@ -114,6 +141,36 @@ mod tests {
             parse_client_body(b"[1,2]"),
             Err(ProxyError::InvalidBody { .. })
         ));
+    }
+
+    #[test]
+    fn token_limits_must_be_integers_of_at_least_one() {
+        for ok in [
+            json!({}),
+            json!({"max_tokens": 1}),
+            json!({"max_tokens": null, "max_completion_tokens": 4096}),
+        ] {
+            assert!(validate_client_body(&obj(ok.clone())).is_ok(), "{ok}");
+        }
+        for (bad, field) in [
+            (json!({"max_tokens": 0}), "max_tokens"),
+            (json!({"max_tokens": -3}), "max_tokens"),
+            (json!({"max_tokens": 2.5}), "max_tokens"),
+            (json!({"max_tokens": "10"}), "max_tokens"),
+            (
+                json!({"max_tokens": 5, "max_completion_tokens": 0}),
+                "max_completion_tokens",
+            ),
+            (
+                json!({"max_completion_tokens": [1]}),
+                "max_completion_tokens",
+            ),
+        ] {
+            match validate_client_body(&obj(bad.clone())) {
+                Err(ProxyError::InvalidParam { param, .. }) => assert_eq!(param, field, "{bad}"),
+                other => panic!("{bad}: {other:?}"),
+            }
+        }
     }
 
     #[test]

@@ -2,7 +2,10 @@
 //! themselves live in `forward`.
 //!
 //! Invariants: every non-2xx answer built here is a `ProxyError` (so an OpenAI envelope), except
-//! `/health`'s 503, which is the envelope with the instances' status added beside `error`.
+//! `/health`'s 503, which is the envelope with the instances' status added beside `error`, and
+//! the 401 of the API-key check. With `--api-key` set, every route but [`OPEN_PATHS`] (unknown
+//! paths included) needs `Authorization: Bearer <key>` (`tandem_http_edge::require_api_key`, the
+//! proxy's one place for client authentication); the check runs before the body is read.
 
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{header, StatusCode, Uri};
@@ -16,13 +19,17 @@ use crate::forward;
 use crate::pool::Role;
 use crate::state::ProxyState;
 
+/// Routes a client may call without the API key: probes and scrapes.
+pub const OPEN_PATHS: [&str; 2] = ["/health", "/metrics"];
+
 /// The proxy's router, ready to serve (drive it with `tower::ServiceExt::oneshot` or `axum::serve`).
 ///
 /// Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`,
-/// `GET /metrics`.
+/// `GET /metrics`; all but [`OPEN_PATHS`] behind the API key when one is configured.
 pub fn app(state: ProxyState) -> Router {
     let limit = state.settings().max_body_bytes;
-    Router::new()
+    let key = state.settings().api_key.as_ref().map(|k| k.shared());
+    let router = Router::new()
         .route("/v1/completions", post(forward::completions))
         .route("/v1/chat/completions", post(forward::chat_completions))
         .route("/v1/models", get(forward::models))
@@ -31,7 +38,8 @@ pub fn app(state: ProxyState) -> Router {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(limit))
-        .with_state(state)
+        .with_state(state);
+    tandem_http_edge::require_api_key(router, key, &OPEN_PATHS)
 }
 
 /// `GET /health`: 200 with every instance's status while each role has a healthy instance,

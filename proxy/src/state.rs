@@ -4,10 +4,13 @@
 //!
 //! Invariants: cheap to clone (one `Arc`); the pools are fixed at start (no instance is added or
 //! removed, only taken out of and put back in rotation); the health-check task only flips
-//! `healthy` and ends when its `JoinHandle` is aborted.
+//! `healthy` and ends when its `JoinHandle` is aborted. Every upstream call goes through
+//! [`ProxyState::upstream`], the one place that puts the proxy's own key (`--upstream-api-key`)
+//! on it; nothing of the client's `Authorization` is ever sent upstream.
 
 use std::sync::Arc;
 
+use axum::http::{header, HeaderValue};
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde::Serialize;
 
@@ -25,6 +28,8 @@ pub struct ProxyState {
 struct Inner {
     settings: Settings,
     client: reqwest::Client,
+    /// `Bearer <upstream key>`, marked sensitive.
+    upstream_auth: Option<HeaderValue>,
     prefill: Pool,
     decode: Pool,
     prometheus: Option<PrometheusHandle>,
@@ -68,12 +73,22 @@ impl ProxyState {
             .redirect(reqwest::redirect::Policy::none())
             .build()
             .map_err(|e| ProxyError::Config(format!("cannot build the HTTP client: {e}")))?;
+        let upstream_auth = match &settings.upstream_api_key {
+            Some(key) => {
+                let mut value = HeaderValue::try_from(format!("Bearer {}", key.expose()))
+                    .map_err(|_| ProxyError::Config("invalid upstream API key".to_owned()))?;
+                value.set_sensitive(true);
+                Some(value)
+            }
+            None => None,
+        };
         let prefill = Pool::new(Role::Prefill, &settings.prefill);
         let decode = Pool::new(Role::Decode, &settings.decode);
         Ok(Self {
             inner: Arc::new(Inner {
                 settings,
                 client,
+                upstream_auth,
                 prefill,
                 decode,
                 prometheus,
@@ -114,7 +129,8 @@ impl ProxyState {
             .chain(self.pool(Role::Decode).instances())
             .map(|instance| async move {
                 let url = format!("{}/health", instance.url());
-                let healthy = match self.client().get(&url).timeout(timeout).send().await {
+                let check = self.upstream(self.client().get(&url)).timeout(timeout);
+                let healthy = match check.send().await {
                     Ok(response) => response.status().is_success(),
                     Err(e) => {
                         tracing::debug!(%url, error = %e, "health check failed");
@@ -132,6 +148,14 @@ impl ProxyState {
 
     pub(crate) fn client(&self) -> &reqwest::Client {
         &self.inner.client
+    }
+
+    /// `request` with the proxy's upstream `Authorization` (if a key is configured).
+    pub(crate) fn upstream(&self, request: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
+        match &self.inner.upstream_auth {
+            Some(auth) => request.header(header::AUTHORIZATION, auth.clone()),
+            None => request,
+        }
     }
 
     pub(crate) fn pool(&self, role: Role) -> &Pool {

@@ -2,7 +2,8 @@
 //! and the helpers that record them.
 //!
 //! Invariants: label values come from fixed sets (`route`, `role`, `outcome` = `ProxyError::code`
-//! or `ok`/`client_disconnected`/`stream_error`) or from the operator's own `--prefill`/`--decode`
+//! or `ok`/`client_disconnected`/`stream_error`/`decode_failed_mid_stream`; KV releases:
+//! `ok`/`not_found`/`failed`) or from the operator's own `--prefill`/`--decode`
 //! URLs (`instance`); nothing a client sends becomes a label. Outstanding gauges move only through
 //! `pool::Lease` (increment on acquire, decrement on drop), so they return to zero with the leases.
 
@@ -21,6 +22,9 @@ pub const UPSTREAM_RETRIES_TOTAL: &str = "tandem:proxy_upstream_retries_total";
 pub const UPSTREAM_OUTSTANDING: &str = "tandem:proxy_upstream_outstanding";
 /// 1 while an upstream instance is in rotation, 0 while it is out (`role`, `instance`).
 pub const UPSTREAM_HEALTHY: &str = "tandem:proxy_upstream_healthy";
+/// Releases of a producer's blocks after a failed decode call (`POST /v1/kv/release`), by outcome
+/// (`ok`, `not_found` for an instance without the endpoint, `failed`).
+pub const KV_RELEASES_TOTAL: &str = "tandem:proxy_kv_releases_total";
 /// Seconds of a successful prefill round trip (retries included).
 pub const PREFILL_SECONDS: &str = "tandem:proxy_prefill_duration_seconds";
 /// Seconds from the client's request to the first body chunk of the decode instance.
@@ -30,8 +34,16 @@ pub const TIME_TO_FIRST_CHUNK_SECONDS: &str = "tandem:proxy_time_to_first_chunk_
 pub const OUTCOME_OK: &str = "ok";
 /// Outcome label of a streamed response whose client went away before the end.
 pub const OUTCOME_CLIENT_DISCONNECTED: &str = "client_disconnected";
-/// Outcome label of a streamed response cut by an upstream error or idle timeout.
+/// Outcome label of a response cut by an upstream error or idle timeout (the client sees a
+/// truncated body).
 pub const OUTCOME_STREAM_ERROR: &str = "stream_error";
+/// Outcome label of an SSE response whose decode instance failed mid-stream, ended for the
+/// client with an error event and `[DONE]`.
+pub const OUTCOME_DECODE_FAILED_MID_STREAM: &str = "decode_failed_mid_stream";
+/// Outcome label of a KV release the prefill instance does not know (an older instance: 404).
+pub const OUTCOME_NOT_FOUND: &str = "not_found";
+/// Outcome label of a KV release that could not be delivered or was refused.
+pub const OUTCOME_FAILED: &str = "failed";
 
 const SECONDS_BUCKETS: &[f64] = &[
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
@@ -50,6 +62,10 @@ pub(crate) fn describe() {
     describe_counter!(
         UPSTREAM_RETRIES_TOTAL,
         "Retries on another instance after a failed connect"
+    );
+    describe_counter!(
+        KV_RELEASES_TOTAL,
+        "Early releases of a producer's KV blocks after a failed decode call, by outcome"
     );
     describe_gauge!(
         UPSTREAM_OUTSTANDING,
@@ -93,6 +109,10 @@ pub(crate) fn request_finished(route: &'static str, outcome: &'static str) {
 
 pub(crate) fn upstream_finished(role: &'static str, outcome: &'static str) {
     counter!(UPSTREAM_REQUESTS_TOTAL, "role" => role, "outcome" => outcome).increment(1);
+}
+
+pub(crate) fn kv_release_finished(outcome: &'static str) {
+    counter!(KV_RELEASES_TOTAL, "outcome" => outcome).increment(1);
 }
 
 pub(crate) fn upstream_retried(role: &'static str) {

@@ -15,6 +15,7 @@ use axum::http::{HeaderMap, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
+use futures::StreamExt;
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde_json::{json, Value};
 use tandem_proxy::{ProxyArgs, ProxyState};
@@ -35,6 +36,9 @@ pub enum Mode {
     Held,
     /// Decode, streaming: a chunk every 20 ms, 500 of them.
     Endless,
+    /// Decode: two SSE chunks (streaming) or half a JSON body (not streaming), then the
+    /// connection is dropped, as when the instance dies.
+    DieMidStream,
 }
 
 /// One request a fake received.
@@ -79,7 +83,14 @@ impl Fake {
     pub fn completions(&self) -> Vec<Recorded> {
         self.requests()
             .into_iter()
-            .filter(|r| r.path != "/health")
+            .filter(|r| r.path != "/health" && r.path != tandem_proxy::RELEASE_PATH)
+            .collect()
+    }
+    /// The KV releases a fake prefill received.
+    pub fn releases(&self) -> Vec<Recorded> {
+        self.requests()
+            .into_iter()
+            .filter(|r| r.path == tandem_proxy::RELEASE_PATH)
             .collect()
     }
 }
@@ -127,6 +138,7 @@ async fn start_fake(name: &str, completion: axum::routing::MethodRouter<Arc<Fake
         .route("/v1/chat/completions", completion)
         .route("/v1/models", get(models_handler))
         .route("/health", get(health_handler))
+        .route(tandem_proxy::RELEASE_PATH, post(release_handler))
         .with_state(state.clone());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -152,6 +164,16 @@ async fn health_handler(State(state): State<Arc<FakeState>>, headers: HeaderMap)
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     }
+}
+
+async fn release_handler(
+    State(state): State<Arc<FakeState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> StatusCode {
+    let body: Value = serde_json::from_slice(&body).expect("the proxy sends JSON");
+    record(&state, tandem_proxy::RELEASE_PATH, &headers, body);
+    StatusCode::OK
 }
 
 async fn models_handler(State(state): State<Arc<FakeState>>, headers: HeaderMap) -> Response {
@@ -231,6 +253,23 @@ async fn decode_handler(
         }
         _ => {}
     }
+    if matches!(mode, Mode::DieMidStream) {
+        let (content_type, parts) = if stream {
+            ("text/event-stream", vec![sse_chunk(0), sse_chunk(1)])
+        } else {
+            (
+                "application/json",
+                vec![r#"{"id":"cmpl-decode","choices":["#.to_owned()],
+            )
+        };
+        let chunks = futures::stream::iter(parts.into_iter().map(Ok::<_, std::io::Error>)).chain(
+            futures::stream::once(async {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                Err(std::io::Error::other("decode instance died"))
+            }),
+        );
+        return ([("content-type", content_type)], Body::from_stream(chunks)).into_response();
+    }
     if !stream {
         return axum::Json(json!({
             "id": "cmpl-decode",
@@ -307,13 +346,21 @@ pub struct Proxy {
     pub addr: SocketAddr,
 }
 
-/// Runs the proxy's app on a real socket (no health checks unless the test starts them).
+/// Runs the proxy's app on a real socket through the HTTP edge with the args' limits (no health
+/// checks unless the test starts them).
 pub async fn start_proxy(args: ProxyArgs, prometheus: Option<PrometheusHandle>) -> Proxy {
+    let limits =
+        tandem_http_edge::EdgeLimits::new(args.max_connections, args.header_read_timeout_secs)
+            .unwrap();
     let state = ProxyState::new(args, prometheus).unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let app = tandem_proxy::app(state.clone());
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    tokio::spawn(async move {
+        tandem_http_edge::serve(listener, app, limits, std::future::pending())
+            .await
+            .unwrap()
+    });
     Proxy {
         url: format!("http://{addr}"),
         state,

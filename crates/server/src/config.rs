@@ -68,6 +68,18 @@ pub struct ServeArgs {
     /// `TANDEM_KV_TRANSFER_SECRET`. Without one a P/D instance listens on loopback only.
     #[arg(long, env = "TANDEM_KV_TRANSFER_SECRET_FILE")]
     pub kv_transfer_secret_file: Option<std::path::PathBuf>,
+    /// Key clients must send as `Authorization: Bearer <key>` on every route but `/health`,
+    /// `/metrics` and the KV routes (`/v1/kv/*`, which check the KV transfer secret and signed
+    /// params instead); a missing or wrong key answers 401. Unset: no key is asked for.
+    #[arg(long, env = "TANDEM_API_KEY", hide_env_values = true)]
+    pub api_key: Option<tandem_http_edge::ApiKey>,
+    /// Most client connections served at once; a connection over it is closed at once.
+    #[arg(long, env = "TANDEM_MAX_CONNECTIONS", default_value_t = tandem_http_edge::DEFAULT_MAX_CONNECTIONS)]
+    pub max_connections: usize,
+    /// Seconds a connection may take to send its request headers (and may stay idle between two
+    /// requests on a keep-alive connection); past it the connection is closed.
+    #[arg(long, env = "TANDEM_HEADER_READ_TIMEOUT_SECS", default_value_t = tandem_http_edge::DEFAULT_HEADER_READ_TIMEOUT_SECS)]
+    pub header_read_timeout_secs: f64,
     /// Largest request body accepted (bytes); larger ones get 413.
     #[arg(long, env = "TANDEM_MAX_REQUEST_BODY_BYTES", default_value_t = 32 << 20)]
     pub max_request_body_bytes: usize,

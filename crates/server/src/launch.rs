@@ -33,6 +33,7 @@ pub fn install_prometheus() -> anyhow::Result<PrometheusHandle> {
         .install_recorder()
         .context("installing the Prometheus recorder")?;
     tandem_engine::metrics::describe();
+    tandem_http_edge::metrics::describe();
     Ok(handle)
 }
 
@@ -325,6 +326,8 @@ pub fn preload(args: &ServeArgs) -> anyhow::Result<()> {
 /// `tandem serve`: runs until ctrl-c or SIGTERM.
 pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let host = listen_host(&args)?;
+    let limits = tandem_http_edge::EdgeLimits::new(args.max_connections, args.header_read_timeout_secs)
+        .context("--max-connections / --header-read-timeout-secs")?;
     let prometheus = install_prometheus()?;
     let instance = build_instance(&args, Some(prometheus))?;
     let addr = if host.contains(':') && !host.starts_with('[') {
@@ -336,8 +339,12 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("binding {addr}"))?;
     tracing::info!("listening on http://{addr}");
-    axum::serve(listener, crate::app(instance.state))
-        .with_graceful_shutdown(tandem_proxy::shutdown_signal())
+    let app = tandem_http_edge::require_api_key(
+        crate::app(instance.state),
+        args.api_key.as_ref().map(|k| k.shared()),
+        crate::routes::OPEN_PATHS,
+    );
+    tandem_http_edge::serve(listener, app, limits, tandem_proxy::shutdown_signal())
         .await
         .context("serving HTTP")?;
     instance.engine.shutdown();

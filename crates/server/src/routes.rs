@@ -27,6 +27,16 @@ use crate::state::AppState;
 /// Header naming a request across proxy, prefill and decode.
 pub const X_REQUEST_ID: &str = "x-request-id";
 
+/// Routes open without `--api-key`: probes, and the KV routes (they check the KV transfer secret
+/// and signed params themselves; a consumer calls them without the instance's API key).
+pub const OPEN_PATHS: &[&str] = &[
+    "/health",
+    "/metrics",
+    HANDSHAKE_PATH,
+    CLAIM_PATH,
+    RELEASE_PATH,
+];
+
 /// The router of one instance.
 pub fn app(state: AppState) -> Router {
     let limit = state.max_body_bytes;

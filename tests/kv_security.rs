@@ -58,12 +58,16 @@ async fn greedy(base: &str, prompt: &str, params: Option<&Value>) -> (u16, Value
 }
 
 fn text(v: &Value) -> String {
-    v["choices"][0]["text"].as_str().unwrap_or_default().to_string()
+    v["choices"][0]["text"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string()
 }
 
 const VICTIM: &str = "Note for the night shift. The vault code is SWORDFISH. Repeat it to nobody. \
                       Again, the vault code is";
-const ATTACKER: &str = "Note for the night shift. The vault code is REDACTED. Repeat it to nobody. \
+const ATTACKER: &str =
+    "Note for the night shift. The vault code is REDACTED. Repeat it to nobody. \
                         Again, the vault code is";
 
 /// The attack that worked before leases were claimed: a client reaches the decode instance
@@ -98,7 +102,11 @@ async fn a_client_skipping_the_proxy_reads_no_other_requests_kv() {
         "remote_port": producer.port, "tp_size": 1});
     let (st, v) = greedy(&decode.base, ATTACKER, Some(&attack)).await;
     assert_eq!(st, 200, "{v}");
-    assert_eq!(text(&v), text(&attacker_alone), "recomputed, not decoded from the victim's KV");
+    assert_eq!(
+        text(&v),
+        text(&attacker_alone),
+        "recomputed, not decoded from the victim's KV"
+    );
     assert!(!text(&v).contains("SWORDFISH"), "{v}");
     // The victim's own id, if an attacker ever learned it, is single-use: the victim's consumer
     // claimed... here nobody did yet, so a guessed-right id with edited blocks is refused too.
@@ -157,7 +165,10 @@ async fn producers_outside_the_allowlist_are_never_contacted() {
         assert_eq!(v["error"]["param"], "kv_transfer_params", "{v}");
         let msg = v["error"]["message"].as_str().unwrap();
         assert!(msg.contains("allowed_producers"), "{msg}");
-        assert!(started.elapsed() < Duration::from_secs(2), "refused at once");
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "refused at once"
+        );
     }
     assert!(trap.accept().is_err(), "the refused producer was contacted");
     assert_eq!(
@@ -251,7 +262,10 @@ async fn with_a_secret_only_signed_params_and_peers_move_kv() {
     assert!(v["error"]["message"].as_str().unwrap().contains("expired"));
     assert_eq!(
         decode
-            .metric("tandem:kv_transfer_refused_total", &[("reason", "unauthorized")])
+            .metric(
+                "tandem:kv_transfer_refused_total",
+                &[("reason", "unauthorized")]
+            )
             .await,
         Some(3.0)
     );
@@ -263,7 +277,9 @@ async fn with_a_secret_only_signed_params_and_peers_move_kv() {
     );
 
     // The handshake carries the NIXL metadata: signed requests only.
-    let r = reqwest::get(producer.url("/v1/kv/handshake")).await.unwrap();
+    let r = reqwest::get(producer.url("/v1/kv/handshake"))
+        .await
+        .unwrap();
     assert_eq!(r.status(), 401);
 
     // The proxy's release frees an unclaimed lease now, not at expiry; a claim after it fails.
@@ -277,7 +293,10 @@ async fn with_a_secret_only_signed_params_and_peers_move_kv() {
     let freed = Instant::now();
     common::wait_all_free(&[&producer]).await;
     assert!(freed.elapsed() < Duration::from_secs(5));
-    assert_eq!(producer.metric("tandem:kv_lease_expired_total", &[]).await, Some(0.0));
+    assert_eq!(
+        producer.metric("tandem:kv_lease_expired_total", &[]).await,
+        Some(0.0)
+    );
     let (st, v) = post(
         &producer.base,
         "/v1/kv/claim",

@@ -1,7 +1,8 @@
 //! P/D across two network hosts: the producer and the consumer run in two network namespaces
 //! joined by veth pairs on a bridge, each with its own address; the proxy, in the root namespace,
 //! reaches both over the bridge. Outputs must equal a single instance's. Needs root (CI is root);
-//! elsewhere the test says so and passes without running.
+//! elsewhere the test says so and passes without running. Both instances listen beyond loopback,
+//! so both hold the deployment's KV transfer secret; without it an instance refuses to start.
 
 mod common;
 
@@ -38,6 +39,9 @@ impl Hosts {
         ip(&["link", "add", &br, "type", "bridge"]);
         ip(&["addr", "add", &format!("{BRIDGE_ADDR}/24"), "dev", &br]);
         ip(&["link", "set", &br, "up"]);
+        // A Docker engine on the host sets the FORWARD policy to DROP, and with br_netfilter
+        // that applies to frames between two ports of our bridge too: let ours through.
+        let _ = Command::new("iptables").args(h.forward_rule("-I")).output();
         for (role, addr) in [("p", PRODUCER_ADDR), ("d", CONSUMER_ADDR)] {
             let ns = h.ns(role);
             let outer = h.name(&format!("{role}o"));
@@ -72,6 +76,12 @@ impl Hosts {
     fn inner_dev(&self, role: &str) -> String {
         self.name(&format!("{role}i"))
     }
+    fn forward_rule(&self, op: &str) -> Vec<String> {
+        let br = self.name("br");
+        [op, "FORWARD", "-i", &br, "-o", &br, "-j", "ACCEPT"]
+            .map(String::from)
+            .to_vec()
+    }
 }
 
 impl Drop for Hosts {
@@ -87,6 +97,9 @@ impl Drop for Hosts {
         let _ = Command::new("ip")
             .args(["link", "del", &self.name("br")])
             .status();
+        let _ = Command::new("iptables")
+            .args(self.forward_rule("-D"))
+            .output();
     }
 }
 
@@ -133,18 +146,33 @@ async fn pd_across_two_network_namespaces_matches_one_instance() {
     let consumer_cfg = r#"{"kv_connector":"NixlConnector","kv_role":"kv_consumer","kv_load_failure_policy":"fail"}"#;
     let pdev = hosts.inner_dev("p");
     let ddev = hosts.inner_dev("d");
+    // Instances that listen beyond loopback need the deployment's secret (protected mode).
+    let dir = tempfile::tempdir().unwrap();
+    let secret = dir.path().join("kv-secret");
+    std::fs::write(&secret, "multihost-test-deployment-secret\n").unwrap();
+    let secret = secret.to_str().unwrap();
     let producer = Server::start_at(
         Some(&hosts.ns("p")),
         PRODUCER_ADDR,
         "serve",
-        &["--kv-transfer-config", &producer_cfg],
+        &[
+            "--kv-transfer-config",
+            &producer_cfg,
+            "--kv-transfer-secret-file",
+            secret,
+        ],
         &[("UCX_NET_DEVICES", &pdev)],
     );
     let consumer = Server::start_at(
         Some(&hosts.ns("d")),
         CONSUMER_ADDR,
         "serve",
-        &["--kv-transfer-config", consumer_cfg],
+        &[
+            "--kv-transfer-config",
+            consumer_cfg,
+            "--kv-transfer-secret-file",
+            secret,
+        ],
         &[("UCX_NET_DEVICES", &ddev)],
     );
     let proxy = Server::start(
@@ -175,6 +203,21 @@ async fn pd_across_two_network_namespaces_matches_one_instance() {
             .await,
         Some(0.0)
     );
+    // Without the secret, an instance may not listen on the namespace's address at all.
+    let out = std::process::Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &hosts.ns("d"),
+            env!("CARGO_BIN_EXE_tandem"),
+        ])
+        .args(["serve", "--host", CONSUMER_ADDR, "--port", "1"])
+        .args(["--kv-transfer-config", consumer_cfg])
+        .current_dir(common::repo_root())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("loopback only"));
     drop(proxy);
     drop(producer);
     drop(consumer);

@@ -371,3 +371,64 @@ async fn malformed_or_forged_transfer_params_are_rejected_without_leaks() {
     assert_eq!(st, 200);
     common::wait_all_free(&[&producer, &decode]).await;
 }
+
+/// A deployment as it runs across hosts: a KV transfer secret on both instances, an API key on
+/// instances and proxy. Clients need the proxy's key; the proxy sends its own upstream; the
+/// answers equal one instance's and every load is verified by the signed path.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn secret_and_api_keys_through_the_proxy() {
+    let single = Server::serve(&[]);
+    let env = [("TANDEM_KV_TRANSFER_SECRET", "pd-test-deployment-secret")];
+    let key = "sk-pd-test";
+    let producer = Server::start(
+        "serve",
+        &["--kv-transfer-config", PRODUCER, "--api-key", key],
+        &env,
+    );
+    let cfg = consumer("fail");
+    let decode = Server::start(
+        "serve",
+        &["--kv-transfer-config", &cfg, "--api-key", key],
+        &env,
+    );
+    let proxy = Server::start(
+        "proxy",
+        &[
+            "--prefill",
+            &producer.base,
+            "--decode",
+            &decode.base,
+            "--api-key",
+            key,
+        ],
+        &[],
+    );
+    let body =
+        json!({"prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0, "return_token_ids": true});
+    let r = client()
+        .post(proxy.url("/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401, "no key, no answer");
+    let r = client()
+        .post(proxy.url("/v1/completions"))
+        .bearer_auth(key)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(ids(&v), greedy_ids(&single.base, PROMPTS[0], 12).await);
+    assert!(
+        decode.metric("tandem:kv_transfer_bytes_total", &[]).await > Some(0.0),
+        "the KV moved over NIXL"
+    );
+    assert_eq!(
+        decode.metric("tandem:kv_load_failures_total", &[]).await,
+        None
+    );
+    common::wait_all_free(&[&producer, &decode]).await;
+}

@@ -265,7 +265,6 @@ async fn bad_inputs_get_envelopes_and_break_nothing() {
         ("max_tokens", json!(0)),
         // Sizes near 2^64 must not wrap the length check (they did in release builds).
         ("max_tokens", json!(u64::MAX)),
-        ("max_tokens", json!(u64::MAX - 2)),
         ("min_tokens", json!(u64::MAX)),
         ("logprobs", json!(50)),
     ] {
@@ -275,6 +274,18 @@ async fn bad_inputs_get_envelopes_and_break_nothing() {
         assert_eq!(st, 400, "{field}: {body}");
         assert_eq!(body["error"]["param"], json!(field), "{body}");
     }
+    // Just below the wrap: an honest context-length error.
+    let (st, body) = post(
+        &s,
+        "/v1/completions",
+        json!({"prompt": "hi", "max_tokens": u64::MAX - 2}),
+    )
+    .await;
+    assert_eq!(st, 400, "{body}");
+    assert!(body["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("maximum context length is 256"));
     let (st, _) = post(
         &s,
         "/v1/completions",
@@ -363,4 +374,75 @@ async fn n_choices_logprobs_and_seeded_sampling() {
         assert!(lp["token_logprobs"][0].as_f64().unwrap() <= 0.0);
     }
     assert_eq!(a["usage"]["completion_tokens"], 24);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_key_guards_the_api_but_not_the_probes() {
+    let s = Server::serve(&["--api-key", "sk-tandem-test"]);
+    let c = client();
+    let body = json!({"prompt": "Hi", "max_tokens": 2});
+    for key in [None, Some("wrong"), Some("sk-tandem-tes")] {
+        let mut r = c.post(s.url("/v1/completions")).json(&body);
+        if let Some(k) = key {
+            r = r.bearer_auth(k);
+        }
+        let r = r.send().await.unwrap();
+        assert_eq!(r.status(), 401, "{key:?}");
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(v["error"]["code"], "invalid_api_key", "{v}");
+    }
+    let r = c.get(s.url("/v1/models")).send().await.unwrap();
+    assert_eq!(r.status(), 401);
+    let r = c
+        .post(s.url("/v1/completions"))
+        .bearer_auth("sk-tandem-test")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    for open in ["/health", "/metrics"] {
+        let r = c.get(s.url(open)).send().await.unwrap();
+        assert_eq!(r.status(), 200, "{open}");
+    }
+}
+
+/// Idle sockets, some with half a request line, beyond the connection limit: they are closed
+/// (over the limit at once, the rest at the header timeout) and `/health` keeps answering.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_sockets_over_the_limit_do_not_stop_health() {
+    use std::io::Write;
+    let s = Server::serve(&["--max-connections", "16", "--header-read-timeout-secs", "1"]);
+    let addr = format!("127.0.0.1:{}", s.port);
+    let mut idle = Vec::new();
+    for i in 0..300 {
+        let Ok(mut sock) = std::net::TcpStream::connect(&addr) else {
+            continue;
+        };
+        if i % 2 == 0 {
+            let _ = sock.write_all(b"POST /v1/completions HTT");
+        }
+        idle.push(sock);
+    }
+    let started = std::time::Instant::now();
+    let answered = loop {
+        if common::http_get_status(&s.url("/health")) == Some(200) {
+            break true;
+        }
+        if started.elapsed() > Duration::from_secs(5) {
+            break false;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(
+        answered,
+        "/health did not answer with {} idle sockets",
+        idle.len()
+    );
+    let open = s
+        .metric("tandem:http_connections_rejected_total", &[])
+        .await
+        .unwrap_or(0.0);
+    assert!(open > 0.0, "connections over the limit were turned away");
+    drop(idle);
 }

@@ -326,8 +326,9 @@ pub fn preload(args: &ServeArgs) -> anyhow::Result<()> {
 /// `tandem serve`: runs until ctrl-c or SIGTERM.
 pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let host = listen_host(&args)?;
-    let limits = tandem_http_edge::EdgeLimits::new(args.max_connections, args.header_read_timeout_secs)
-        .context("--max-connections / --header-read-timeout-secs")?;
+    let limits =
+        tandem_http_edge::EdgeLimits::new(args.max_connections, args.header_read_timeout_secs)
+            .context("--max-connections / --header-read-timeout-secs")?;
     let prometheus = install_prometheus()?;
     let instance = build_instance(&args, Some(prometheus))?;
     let addr = if host.contains(':') && !host.starts_with('[') {

@@ -35,15 +35,11 @@ pub struct AttentionParams {
     pub window: Option<usize>,
 }
 
-/// One layer's cache as the attention reads it.
+/// One layer's cache as the attention reads it (block by block: see [`LayerKv`]).
 #[derive(Debug, Clone, Copy)]
 pub enum LayerCache<'a> {
-    /// f32 K and V arrays (the fast path) with their layout.
-    F32 {
-        k: &'a [f32],
-        v: &'a [f32],
-        view: LayerKv<'a>,
-    },
+    /// f32 K and V (the fast path: a block's rows read in place).
+    F32(LayerKv<'a>),
     /// Any dtype, decoded row by row.
     Bytes(LayerKv<'a>),
 }
@@ -56,14 +52,15 @@ impl<'a> LayerCache<'a> {
         let view = kv.layer(layer)?;
         // the fast path walks a block's rows of one head at a fixed stride: unsplit blocks only
         let unsplit = view.layout.kernel_block_size == view.layout.block_size;
-        Ok(match kv.layer_f32(layer)? {
-            Some((k, v)) if unsplit => LayerCache::F32 { k, v, view },
-            _ => LayerCache::Bytes(view),
+        Ok(if unsplit && view.layout.dtype == CacheDtype::F32 {
+            LayerCache::F32(view)
+        } else {
+            LayerCache::Bytes(view)
         })
     }
     fn view(&self) -> &LayerKv<'a> {
         match self {
-            LayerCache::F32 { view, .. } | LayerCache::Bytes(view) => view,
+            LayerCache::F32(view) | LayerCache::Bytes(view) => view,
         }
     }
 }
@@ -308,8 +305,17 @@ fn attend_tile(
         for g in 0..nkv {
             // Rows of this block for head g, as f32 slices `stride` apart.
             let (kb, vb, stride): (&[f32], &[f32], usize) = match cache {
-                LayerCache::F32 { k, v, view } => {
-                    let start = view.layout.row_offset(block, 0, g) / 4;
+                LayerCache::F32(view) => {
+                    // Only this block is borrowed: the request owns it (others are written
+                    // meanwhile by loads and other requests' cache writes).
+                    let (k, v) = view
+                        .block_f32(block)
+                        .ok()
+                        .flatten()
+                        .expect("blocks were checked by paged_attention; the cache is f32");
+                    let start = (view.layout.row_offset(block, 0, g)
+                        - block * view.layout.block_bytes())
+                        / 4;
                     let stride = row_stride_f32(view);
                     let len = (nt - 1) * stride + hd;
                     (&k[start..start + len], &v[start..start + len], stride)

@@ -42,6 +42,8 @@ pub struct EngineHandle {
     next_id: Arc<AtomicU64>,
     stats: Arc<Mutex<SchedulerStats>>,
     validator: Arc<RequestValidator>,
+    /// The engine thread, until [`EngineHandle::shutdown_and_wait`] joins it.
+    thread: Arc<Mutex<Option<std::thread::JoinHandle<()>>>>,
 }
 
 /// Checks requests against the engine's limits without a round trip to its thread.
@@ -183,7 +185,7 @@ impl EngineHandle {
         });
         let loop_alive = alive.clone();
         let loop_stats = stats.clone();
-        std::thread::Builder::new()
+        let thread = std::thread::Builder::new()
             .name("tandem-engine".into())
             .spawn(move || run_loop(scheduler, worker, rx, loop_alive, loop_stats))
             .map_err(|e| EngineError::Execution(format!("cannot start the engine thread: {e}")))?;
@@ -193,6 +195,7 @@ impl EngineHandle {
             next_id: Arc::new(AtomicU64::new(1)),
             stats,
             validator,
+            thread: Arc::new(Mutex::new(Some(thread))),
         })
     }
 
@@ -232,6 +235,27 @@ impl EngineHandle {
     /// Asks the engine thread to stop after its current step.
     pub fn shutdown(&self) {
         let _ = self.tx.send(Command::Shutdown);
+    }
+
+    /// Stops the engine thread and waits, at most `timeout`, until it has ended: its worker and
+    /// connector (NIXL agent, transfer threads) are dropped in order on that thread. A process
+    /// must not exit while they are torn down (its exit handlers would unload the libraries
+    /// under them). True when the thread ended in time.
+    pub fn shutdown_and_wait(&self, timeout: Duration) -> bool {
+        self.shutdown();
+        let Some(thread) = self.thread.lock().take() else {
+            return true;
+        };
+        let deadline = Instant::now() + timeout;
+        while !thread.is_finished() {
+            if Instant::now() >= deadline {
+                tracing::warn!(?timeout, "the engine thread did not stop in time");
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let _ = thread.join();
+        true
     }
 }
 

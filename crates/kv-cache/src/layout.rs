@@ -96,16 +96,32 @@ impl BlockLayout {
     }
 }
 
-/// A read-only view of one layer's K and V caches.
+/// A read view of one layer's K and V arrays that hands out references to single blocks or rows
+/// only, never to a whole array.
+///
+/// Soundness: the arrays are shared memory that other threads (the forward pass, NIXL, the
+/// checksum thread) write while this view exists, each into blocks it owns. A `&[u8]` over a
+/// whole array would assert that none of its bytes changes while it lives, which those writes
+/// break (undefined behaviour even when they touch other bytes). So the view holds raw pointers,
+/// and a reference is created only over the block or row asked for, which the caller must own for
+/// the reference's lifetime (the storage's block-ownership invariant): nobody writes it meanwhile.
 #[derive(Debug, Clone, Copy)]
 pub struct LayerKv<'a> {
-    pub k: &'a [u8],
-    pub v: &'a [u8],
+    k: *const u8,
+    v: *const u8,
+    /// Bytes of each of the two arrays.
+    len: usize,
     pub layout: BlockLayout,
+    _memory: std::marker::PhantomData<&'a [std::cell::UnsafeCell<u8>]>,
 }
 
+// SAFETY: the view only reads, and every reference it creates covers memory its caller owns
+// (see the type's docs); the pointers stay valid for 'a.
+unsafe impl Send for LayerKv<'_> {}
+unsafe impl Sync for LayerKv<'_> {}
+
 impl<'a> LayerKv<'a> {
-    /// Builds a view, checking that both arrays hold exactly `layout.total_bytes()`.
+    /// Builds a view over two slices, checking that both hold exactly `layout.total_bytes()`.
     pub fn new(k: &'a [u8], v: &'a [u8], layout: BlockLayout) -> Result<Self, KvCacheError> {
         layout.validate()?;
         for arr in [k, v] {
@@ -116,7 +132,38 @@ impl<'a> LayerKv<'a> {
                 });
             }
         }
-        Ok(LayerKv { k, v, layout })
+        Ok(LayerKv {
+            k: k.as_ptr(),
+            v: v.as_ptr(),
+            len: k.len(),
+            layout,
+            _memory: std::marker::PhantomData,
+        })
+    }
+
+    /// A view over two arrays of `len` bytes that live for `'a`.
+    ///
+    /// # Safety
+    /// `k` and `v` point to `len` initialized bytes each, valid (not freed, not moved) for `'a`,
+    /// 8-byte aligned, and `len >= layout.total_bytes()`.
+    pub(crate) unsafe fn from_raw(
+        k: *const u8,
+        v: *const u8,
+        len: usize,
+        layout: BlockLayout,
+    ) -> Self {
+        LayerKv {
+            k,
+            v,
+            len,
+            layout,
+            _memory: std::marker::PhantomData,
+        }
+    }
+
+    /// Bytes of each of the two arrays.
+    pub fn array_len(&self) -> usize {
+        self.len
     }
 
     fn check_block(&self, block: usize) -> Result<(), KvCacheError> {
@@ -129,20 +176,63 @@ impl<'a> LayerKv<'a> {
         Ok(())
     }
 
-    /// The bytes of cache block `block` of K and of V.
+    /// `len` bytes of K and of V from byte `off`, bounds-checked against the arrays.
+    #[inline]
+    fn span(&self, off: usize, len: usize) -> (&'a [u8], &'a [u8]) {
+        assert!(
+            off.checked_add(len).is_some_and(|end| end <= self.len),
+            "KV view: bytes {off}..+{len} outside an array of {}",
+            self.len
+        );
+        // SAFETY: in bounds (checked above) of arrays valid for 'a; the caller owns the block
+        // these bytes belong to, so nobody writes them while the references live.
+        unsafe {
+            (
+                std::slice::from_raw_parts(self.k.add(off), len),
+                std::slice::from_raw_parts(self.v.add(off), len),
+            )
+        }
+    }
+
+    /// The bytes of cache block `block` of K and of V. The caller must own the block.
     pub fn block(&self, block: usize) -> Result<(&'a [u8], &'a [u8]), KvCacheError> {
         self.check_block(block)?;
         let bb = self.layout.block_bytes();
-        let r = block * bb..(block + 1) * bb;
-        Ok((&self.k[r.clone()], &self.v[r]))
+        Ok(self.span(block * bb, bb))
     }
 
-    /// The K row and V row of `head` for token `token` of `block`.
+    /// Cache block `block` of K and of V as f32 values, when the cache dtype is f32 (the
+    /// attention fast path). The caller must own the block.
+    pub fn block_f32(&self, block: usize) -> Result<Option<(&'a [f32], &'a [f32])>, KvCacheError> {
+        if self.layout.dtype != CacheDtype::F32 {
+            return Ok(None);
+        }
+        let (k, v) = self.block(block)?;
+        // SAFETY: the arrays are 8-byte aligned and block_bytes is a multiple of 4 for f32, so
+        // every block starts 4-byte aligned; f32 has no invalid bit patterns.
+        let cast = |b: &'a [u8]| unsafe {
+            std::slice::from_raw_parts(b.as_ptr() as *const f32, b.len() / 4)
+        };
+        Ok(Some((cast(k), cast(v))))
+    }
+
+    /// The K row and V row of `head` for token `token` of `block`. The caller must own the block.
     #[inline]
     pub fn rows(&self, block: usize, token: usize, head: usize) -> (&'a [u8], &'a [u8]) {
         let off = self.layout.row_offset(block, token, head);
-        let rb = self.layout.row_bytes();
-        (&self.k[off..off + rb], &self.v[off..off + rb])
+        self.span(off, self.layout.row_bytes())
+    }
+
+    /// Copies of both whole arrays, block by block. The caller must own every block (tests,
+    /// snapshots of an idle cache).
+    pub fn to_vecs(&self) -> (Vec<u8>, Vec<u8>) {
+        let (mut k, mut v) = (Vec::with_capacity(self.len), Vec::with_capacity(self.len));
+        for b in 0..self.layout.num_blocks {
+            let (kb, vb) = self.block(b).expect("in range");
+            k.extend_from_slice(kb);
+            v.extend_from_slice(vb);
+        }
+        (k, v)
     }
 }
 

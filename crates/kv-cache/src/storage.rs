@@ -9,11 +9,12 @@
 //! transfer engines. It does not lock; the scheduler's block ownership keeps them apart: a block is
 //! written only by the request that owns it (forward or an incoming load), and read by checksums
 //! or outgoing transfers only while no request writes it. Views handed out cover whole layers, and
-//! callers touch only the blocks they own.
+//! callers touch only the blocks they own. Views never hold a reference to a whole array: they
+//! create references over the blocks or rows asked for only ([`LayerKv`]), so a write elsewhere
+//! in the array never aliases a live reference.
 
 use std::cell::UnsafeCell;
 
-use crate::dtype::CacheDtype;
 use crate::error::KvCacheError;
 use crate::layout::{BlockLayout, LayerKv};
 use crate::spec::KvCacheConfig;
@@ -34,11 +35,6 @@ impl RawBuf {
     fn ptr(&self) -> *mut u8 {
         // UnsafeCell<u64> is repr(transparent): the cells are contiguous u64s.
         self.words.as_ptr() as *mut u8
-    }
-    fn bytes(&self) -> &[u8] {
-        // SAFETY: the allocation holds at least `len` initialized bytes and lives as long as self.
-        // Concurrent writes to the same bytes are excluded by the block-ownership invariant.
-        unsafe { std::slice::from_raw_parts(self.ptr(), self.len) }
     }
 }
 
@@ -65,9 +61,6 @@ struct LayerBuffers {
     v: RawBuf,
     layout: BlockLayout,
 }
-
-/// One layer's K and V arrays as f32 values.
-pub type F32Layer<'a> = (&'a [f32], &'a [f32]);
 
 /// Every layer's K and V cache of one worker. See the module docs for the sharing invariant.
 pub struct KvStorage {
@@ -141,30 +134,12 @@ impl KvStorage {
         })
     }
 
-    /// A read view of one layer's K and V.
+    /// A read view of one layer's K and V (it hands out single blocks and rows; see [`LayerKv`]).
     pub fn layer(&self, layer: usize) -> Result<LayerKv<'_>, KvCacheError> {
         let l = self.layer_buffers(layer)?;
-        Ok(LayerKv {
-            k: l.k.bytes(),
-            v: l.v.bytes(),
-            layout: l.layout,
-        })
-    }
-
-    /// One layer's K and V as f32 slices, when the cache dtype is f32 (the attention fast path).
-    pub fn layer_f32(&self, layer: usize) -> Result<Option<F32Layer<'_>>, KvCacheError> {
-        let l = self.layer_buffers(layer)?;
-        if l.layout.dtype != CacheDtype::F32 {
-            return Ok(None);
-        }
-        let n = l.layout.total_bytes() / 4;
-        // SAFETY: 8-byte aligned allocation of n*4 initialized bytes; f32 has no invalid bit patterns.
-        unsafe {
-            Ok(Some((
-                std::slice::from_raw_parts(l.k.ptr() as *const f32, n),
-                std::slice::from_raw_parts(l.v.ptr() as *const f32, n),
-            )))
-        }
+        // SAFETY: both buffers hold `len` initialized bytes, 8-byte aligned, fixed for the life
+        // of `self`, and `len == layout.total_bytes()`.
+        Ok(unsafe { LayerKv::from_raw(l.k.ptr(), l.v.ptr(), l.k.len, l.layout) })
     }
 
     /// Writes the K and V of tokens into slots (`slot = block * block_size + offset`).
@@ -281,6 +256,7 @@ impl KvStorage {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::dtype::CacheDtype;
     use crate::spec::{KvCacheGroup, KvCacheSpec};
 
     fn config(dtype: CacheDtype) -> KvCacheConfig {
@@ -313,7 +289,7 @@ mod tests {
         CacheDtype::F32.decode(vr, &mut back);
         assert_eq!(&back[..], &v[8..16]);
         // layer 0 untouched
-        assert!(s.layer(0).unwrap().k.iter().all(|&b| b == 0));
+        assert!(s.layer(0).unwrap().to_vecs().0.iter().all(|&b| b == 0));
     }
 
     #[test]

@@ -180,12 +180,11 @@ fn check_layer(kv: &LayerKv<'_>, layer: &LayerJob) -> Result<(), KvChecksumError
         .num_blocks
         .checked_mul(lay.block_bytes())
         .ok_or_else(|| KvChecksumError::InvalidJob("layer size overflows".into()))?;
-    if kv.k.len() < total || kv.v.len() < total {
+    if kv.array_len() < total {
         return Err(KvChecksumError::InvalidJob(format!(
-            "layer {} holds {} / {} bytes of K / V, its layout needs {total}",
+            "layer {} holds {} bytes of K and of V, its layout needs {total}",
             layer.source_index,
-            kv.k.len(),
-            kv.v.len()
+            kv.array_len(),
         )));
     }
     if pieces_per_token(lay.head_dim, lay.dtype).is_none() {

@@ -214,12 +214,14 @@ fn walk_head<'a>(
     mut f: impl FnMut(&'a [u8], &'a [u8]),
 ) {
     let lay = &kv.layout;
-    let (k, v) = (kv.k, kv.v);
+    // Only this block's bytes are borrowed (the job's blocks are owned by its request).
+    let (k, v) = kv
+        .block(block_id)
+        .expect("blocks were checked against the layout");
     let rb = lay.row_bytes();
     let heads = lay.num_kv_heads;
     let kbs = lay.kernel_block_size;
     let kernel_block_bytes = kbs * heads * rb;
-    let kernel_blocks_per_block = lay.block_size / kbs;
     let (head_offset, stride) = match lay.order {
         LayoutOrder::TokenMajor => (h * rb, heads * rb),
         LayoutOrder::HeadMajor => (h * kbs * rb, rb),
@@ -227,7 +229,7 @@ fn walk_head<'a>(
     let end = first_slot + n;
     let mut slot = first_slot;
     while slot < end {
-        let kernel_block = block_id * kernel_blocks_per_block + slot / kbs;
+        let kernel_block = slot / kbs;
         let t_first = slot % kbs;
         let seg = (end - slot).min(kbs - t_first);
         let first = kernel_block * kernel_block_bytes + head_offset + t_first * stride;
@@ -250,16 +252,18 @@ fn walk_rows<'a>(
     mut f: impl FnMut(usize, &'a [u8], &'a [u8]),
 ) {
     let lay = &kv.layout;
-    let (k, v) = (kv.k, kv.v);
+    // Only this block's bytes are borrowed (the job's blocks are owned by its request).
+    let (k, v) = kv
+        .block(block_id)
+        .expect("blocks were checked against the layout");
     let rb = lay.row_bytes();
     let heads = lay.num_kv_heads;
     let kbs = lay.kernel_block_size;
     let kernel_block_bytes = kbs * heads * rb;
-    let kernel_blocks_per_block = lay.block_size / kbs;
     let end = first_slot + n;
     let mut slot = first_slot;
     while slot < end {
-        let kernel_block = block_id * kernel_blocks_per_block + slot / kbs;
+        let kernel_block = slot / kbs;
         let t_first = slot % kbs;
         let seg = (end - slot).min(kbs - t_first);
         let base = kernel_block * kernel_block_bytes;

@@ -323,6 +323,9 @@ pub fn preload(args: &ServeArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// How long `serve` waits for the engine thread after the HTTP server stopped.
+const ENGINE_STOP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// `tandem serve`: runs until ctrl-c or SIGTERM.
 pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let host = listen_host(&args)?;
@@ -348,7 +351,8 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     tandem_http_edge::serve(listener, app, limits, tandem_proxy::shutdown_signal())
         .await
         .context("serving HTTP")?;
-    instance.engine.shutdown();
+    // Tear the engine (and its NIXL agent) down before the process exits, never during exit.
+    instance.engine.shutdown_and_wait(ENGINE_STOP_TIMEOUT);
     tracing::info!("stopped");
     Ok(())
 }

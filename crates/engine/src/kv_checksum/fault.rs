@@ -203,8 +203,8 @@ mod tests {
     fn snapshot(s: &KvStorage) -> Vec<Vec<u8>> {
         (0..s.num_layers())
             .flat_map(|l| {
-                let v = s.layer(l).unwrap();
-                [v.k.to_vec(), v.v.to_vec()]
+                let (k, v) = s.layer(l).unwrap().to_vecs();
+                [k, v]
             })
             .collect()
     }

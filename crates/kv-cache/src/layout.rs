@@ -96,6 +96,9 @@ impl BlockLayout {
     }
 }
 
+/// One cache block of K and of V as f32 values.
+pub type F32Block<'a> = (&'a [f32], &'a [f32]);
+
 /// A read view of one layer's K and V arrays that hands out references to single blocks or rows
 /// only, never to a whole array.
 ///
@@ -203,7 +206,7 @@ impl<'a> LayerKv<'a> {
 
     /// Cache block `block` of K and of V as f32 values, when the cache dtype is f32 (the
     /// attention fast path). The caller must own the block.
-    pub fn block_f32(&self, block: usize) -> Result<Option<(&'a [f32], &'a [f32])>, KvCacheError> {
+    pub fn block_f32(&self, block: usize) -> Result<Option<F32Block<'a>>, KvCacheError> {
         if self.layout.dtype != CacheDtype::F32 {
             return Ok(None);
         }

@@ -44,4 +44,4 @@ if ((${#failed[@]})); then
     echo "== crashed: ${failed[*]} (inputs in fuzz/artifacts/)"
     exit 1
 fi
-echo "== no crash in: $targets"
+echo "== no crash in:" $targets

@@ -126,7 +126,7 @@ fn tweak(old: Option<&Value>, k: u8) -> Value {
         },
         Some(Value::String(s)) => {
             let mut s = s.clone();
-            if k % 2 == 0 && !s.is_empty() {
+            if k.is_multiple_of(2) && !s.is_empty() {
                 s.pop();
             } else {
                 s.push(char::from(b'A' + k % 26));

@@ -226,7 +226,13 @@ impl NixlHandshake {
             let Some(dtype) = CacheDtype::parse(&l.dtype) else {
                 return bad(format!("layer {i}: unknown dtype {:?}", l.dtype));
             };
-            if l.block_bytes != l.block_size * l.num_kv_heads * l.head_dim * dtype.size() {
+            // Checked: the sizes are the peer's, and a product that wraps must not match.
+            let shape = l
+                .block_size
+                .checked_mul(l.num_kv_heads)
+                .and_then(|n| n.checked_mul(l.head_dim))
+                .and_then(|n| n.checked_mul(dtype.size()));
+            if shape != Some(l.block_bytes) {
                 return bad(format!(
                     "layer {i}: block_bytes {} is not block_size x heads x head_dim x dtype size",
                     l.block_bytes

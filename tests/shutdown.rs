@@ -44,7 +44,11 @@ impl Instance {
             if let Ok(Some(st)) = i.child.try_wait() {
                 panic!("exited with {st} at start:\n{}", i.log_text());
             }
-            assert!(started.elapsed() < Duration::from_secs(60), "{}", i.log_text());
+            assert!(
+                started.elapsed() < Duration::from_secs(60),
+                "{}",
+                i.log_text()
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
         i
@@ -122,7 +126,11 @@ fn sigterm_stops_pd_instances_cleanly_a_hundred_times() {
             }
             starts += 2;
         } else {
-            let role = if round % 2 == 0 { "kv_consumer" } else { "kv_producer" };
+            let role = if round % 2 == 0 {
+                "kv_consumer"
+            } else {
+                "kv_producer"
+            };
             Instance::start(role).terminate();
             starts += 1;
         }

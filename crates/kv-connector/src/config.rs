@@ -27,6 +27,7 @@
 //! | `handshake_timeout` | seconds to fetch a producer's handshake | 5 |
 //! | `nixl_lib_dir` | directory of `libnixl_capi.so` (see `nixl::library`) | discovery |
 //! | `progress_thread` | run NIXL's progress thread | on for `kv_producer`/`kv_both`, off for `kv_consumer` |
+//! | `transport_fault_injection` | testing only: a fault where the bytes move (`corrupt_source`, `wrong_block`, `slow_read`; see `pull::fault`) | none |
 //! | `allowed_producers` | the producers a consumer may contact: CIDR ranges, addresses or host names, optionally with `:port` (see `allowlist`) | with a KV transfer secret: any; without: loopback only |
 //!
 //! Durations are numbers of seconds (fractions allowed), greater than 0 and at most one day.
@@ -43,6 +44,7 @@ use serde_json::{Map, Value};
 
 use crate::allowlist::ProducerAllowlist;
 use crate::error::KvConnectorError;
+use crate::pull::fault::TransportFault;
 
 /// The only `kv_connector` this crate implements.
 pub const NIXL_CONNECTOR: &str = "NixlConnector";
@@ -68,8 +70,9 @@ const TOP_KEYS: [&str; 8] = [
     "kv_checksum_fail_closed",
     "kv_fault_injection",
 ];
-const EXTRA_KEYS: [&str; 7] = [
+const EXTRA_KEYS: [&str; 8] = [
     "side_channel_host",
+    "transport_fault_injection",
     "allowed_producers",
     "kv_lease_duration",
     "load_timeout",
@@ -154,6 +157,8 @@ pub struct NixlExtraConfig {
     /// `allowed_producers` as written (validated); `None`: the deployment's default (see
     /// [`crate::allowlist`]).
     pub allowed_producers: Option<Vec<String>>,
+    /// Testing only: faults where the bytes move (see `pull::fault`).
+    pub transport_fault_injection: Option<TransportFault>,
 }
 
 impl NixlExtraConfig {
@@ -185,6 +190,7 @@ impl NixlExtraConfig {
             nixl_lib_dir: None,
             progress_thread: None,
             allowed_producers: None,
+            transport_fault_injection: None,
         }
     }
 }
@@ -346,7 +352,7 @@ impl KvTransferConfig {
         };
         let kv_connector_extra_config = match obj.get("kv_connector_extra_config") {
             None | Some(Value::Null) => NixlExtraConfig::defaults(),
-            Some(Value::Object(extra)) => parse_extra(extra)?,
+            Some(Value::Object(extra)) => parse_extra(extra, kv_role)?,
             Some(v) => {
                 return Err(invalid(format!(
                     "kv_connector_extra_config must be an object, got {}",
@@ -409,6 +415,9 @@ impl KvTransferConfig {
         if let Some(list) = &x.allowed_producers {
             extra["allowed_producers"] = serde_json::json!(list);
         }
+        if let Some(f) = &x.transport_fault_injection {
+            extra["transport_fault_injection"] = f.to_value();
+        }
         let mut v = serde_json::json!({
             "kv_connector": self.kv_connector,
             "kv_role": self.kv_role.as_str(),
@@ -425,7 +434,10 @@ impl KvTransferConfig {
     }
 }
 
-fn parse_extra(extra: &Map<String, Value>) -> Result<NixlExtraConfig, KvConnectorError> {
+fn parse_extra(
+    extra: &Map<String, Value>,
+    role: KvRole,
+) -> Result<NixlExtraConfig, KvConnectorError> {
     check_keys(extra, &EXTRA_KEYS, "kv_connector_extra_config")?;
     let mut cfg = NixlExtraConfig::defaults();
     if let Some(host) = get_str(extra, "side_channel_host")? {
@@ -472,6 +484,17 @@ fn parse_extra(extra: &Map<String, Value>) -> Result<NixlExtraConfig, KvConnecto
         Some(v) => {
             return Err(invalid(format!(
                 "allowed_producers must be an array of strings, got {v}"
+            )))
+        }
+    }
+    match extra.get("transport_fault_injection") {
+        None | Some(Value::Null) => {}
+        Some(Value::Object(f)) => {
+            cfg.transport_fault_injection = Some(TransportFault::parse(f, role)?);
+        }
+        Some(v) => {
+            return Err(invalid(format!(
+                "transport_fault_injection must be an object, got {v}"
             )))
         }
     }

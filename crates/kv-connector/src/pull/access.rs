@@ -167,7 +167,12 @@ mod tests {
 
     fn service(auth: Option<TransferAuth>) -> (KvPeerService, LeaseTable) {
         let leases = LeaseTable::new();
-        leases.issue("3-abc", &[5, 6], Instant::now() + Duration::from_secs(30));
+        leases.issue(
+            "3-abc",
+            &[5, 6],
+            20,
+            Instant::now() + Duration::from_secs(30),
+        );
         let s = KvPeerService::new("p0".into(), HandshakeProvider::new(), leases.clone(), auth);
         (s, leases)
     }

@@ -20,22 +20,37 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
-use tandem_kv_cache::BlockId;
+use tandem_kv_cache::{BlockId, KvStorage};
 
+use super::fault::{corrupt_source, FaultRng, TransportFault};
 use crate::error::KvConnectorError;
 
 #[derive(Debug)]
 struct Lease {
     block_ids: Vec<BlockId>,
+    /// The prompt's length (the tokens the blocks hold).
+    num_tokens: usize,
     deadline: Instant,
     claimed: bool,
     release_requested: bool,
 }
 
-#[derive(Debug, Default)]
+#[derive(Default)]
 struct Inner {
     leases: HashMap<String, Lease>,
     released: Vec<String>,
+    /// Testing only: `corrupt_source`, applied when a claim is granted.
+    source_fault: Option<(Arc<KvStorage>, TransportFault, FaultRng)>,
+}
+
+impl std::fmt::Debug for Inner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Inner")
+            .field("leases", &self.leases.len())
+            .field("released", &self.released.len())
+            .field("source_fault", &self.source_fault.as_ref().map(|x| x.1))
+            .finish()
+    }
 }
 
 /// What [`LeaseTable::release`] did.
@@ -67,12 +82,24 @@ impl LeaseTable {
         self.0.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Records a lease the producer just issued.
-    pub fn issue(&self, remote_request_id: &str, block_ids: &[BlockId], deadline: Instant) {
+    /// Arms `corrupt_source` (testing only) over the producer's KV memory.
+    pub(crate) fn arm_source_fault(&self, storage: Arc<KvStorage>, fault: TransportFault) {
+        self.lock().source_fault = Some((storage, fault, FaultRng::new(fault.seed)));
+    }
+
+    /// Records a lease the producer just issued for a prompt of `num_tokens` tokens.
+    pub fn issue(
+        &self,
+        remote_request_id: &str,
+        block_ids: &[BlockId],
+        num_tokens: usize,
+        deadline: Instant,
+    ) {
         self.lock().leases.insert(
             remote_request_id.to_string(),
             Lease {
                 block_ids: block_ids.to_vec(),
+                num_tokens,
                 deadline,
                 claimed: false,
                 release_requested: false,
@@ -110,6 +137,20 @@ impl LeaseTable {
             )));
         }
         lease.claimed = true;
+        let (blocks, num_tokens) = (lease.block_ids.clone(), lease.num_tokens);
+        if let Some((storage, fault, rng)) = inner.source_fault.as_mut() {
+            if rng.hit(fault.probability) {
+                // SAFETY: the lease holds these blocks and its consumer has not read yet (it
+                // waits for this answer): nothing reads or writes them during the call.
+                if let Some(what) = unsafe { corrupt_source(storage, &blocks, num_tokens, rng) } {
+                    tracing::warn!(
+                        remote_request_id,
+                        "transport fault injected (corrupt_source, \
+                        testing only): {what}, after the checksums, before the READ"
+                    );
+                }
+            }
+        }
         Ok(())
     }
 
@@ -165,7 +206,7 @@ mod tests {
     fn a_lease_is_claimed_once_with_exactly_its_blocks() {
         let t = LeaseTable::new();
         let later = Instant::now() + Duration::from_secs(30);
-        t.issue("r1", &[4, 9, 2], later);
+        t.issue("r1", &[4, 9, 2], 40, later);
         for (rid, blocks, needle) in [
             ("r2", &[4u32, 9, 2][..], "no live lease"),
             ("r1", &[4, 9, 3][..], "not the blocks"),
@@ -189,13 +230,13 @@ mod tests {
     #[test]
     fn expired_or_released_leases_cannot_be_claimed() {
         let t = LeaseTable::new();
-        t.issue("old", &[1], Instant::now() - Duration::from_millis(1));
+        t.issue("old", &[1], 10, Instant::now() - Duration::from_millis(1));
         assert!(t
             .claim("old", &[1])
             .unwrap_err()
             .to_string()
             .contains("expired"));
-        t.issue("r", &[1, 2], Instant::now() + Duration::from_secs(30));
+        t.issue("r", &[1, 2], 20, Instant::now() + Duration::from_secs(30));
         assert_eq!(t.release("r", &[1, 3]), ReleaseOutcome::Unknown);
         assert_eq!(t.release("r", &[1, 2]), ReleaseOutcome::Released);
         assert_eq!(t.release("r", &[1, 2]), ReleaseOutcome::Released);

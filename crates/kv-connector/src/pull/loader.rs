@@ -32,6 +32,7 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::fault::{wrong_block, FaultRng, TransportFault, TransportFaultKind};
 use super::protocol::{LoadKind, PeerAddr, PullNotif};
 use crate::auth::TransferAuth;
 use crate::error::KvConnectorError;
@@ -116,6 +117,7 @@ impl Loader {
         agent: Arc<NixlAgent>,
         config: LoaderConfig,
         auth: Option<TransferAuth>,
+        fault: Option<TransportFault>,
     ) -> Result<Self, KvConnectorError> {
         let (tx, rx) = mpsc::channel();
         let (res_tx, results) = mpsc::channel();
@@ -131,6 +133,8 @@ impl Loader {
             claiming: 0,
             client: None,
             auth,
+            fault: fault.map(|f| (f, FaultRng::new(f.seed))),
+            delayed: Vec::new(),
         };
         let thread = std::thread::Builder::new()
             .name("tandem-kv-loader".into())
@@ -191,6 +195,10 @@ struct LoaderThread {
     claiming: usize,
     client: Option<reqwest::blocking::Client>,
     auth: Option<TransferAuth>,
+    /// Testing only: `wrong_block` or `slow_read` (see `pull::fault`).
+    fault: Option<(TransportFault, FaultRng)>,
+    /// `slow_read`: granted jobs and when to post their READ.
+    delayed: Vec<(Instant, LoadJob, String)>,
 }
 
 impl LoaderThread {
@@ -227,6 +235,7 @@ impl LoaderThread {
                     }
                 }
             }
+            self.post_delayed();
             self.poll_in_flight();
             if !self.in_flight.is_empty() {
                 let fresh = self.in_flight.iter().any(|f| f.polls < 64);
@@ -261,6 +270,12 @@ impl LoaderThread {
             drop(f.handle);
             self.report(
                 f.job.request_id,
+                LoadOutcome::Failed("the connector shut down".into()),
+            );
+        }
+        for (_, job, _) in std::mem::take(&mut self.delayed) {
+            self.report(
+                job.request_id,
                 LoadOutcome::Failed("the connector shut down".into()),
             );
         }
@@ -488,13 +503,60 @@ impl LoaderThread {
             self.report(job.request_id, LoadOutcome::Cancelled);
             return;
         }
-        match answer {
-            Ok(()) => self.post_read(job, name),
-            Err(reason) => self.fail(&job, reason),
+        if let Err(reason) = answer {
+            self.fail(&job, reason);
+            return;
+        }
+        let slow = match &mut self.fault {
+            Some((f, rng)) if f.kind == TransportFaultKind::SlowRead => {
+                rng.hit(f.probability).then_some(f.delay)
+            }
+            _ => None,
+        };
+        match slow {
+            Some(delay) => {
+                tracing::warn!(
+                    request = job.request_id,
+                    ?delay,
+                    "transport fault injected (slow_read, testing only): the READ waits"
+                );
+                self.delayed.push((Instant::now() + delay, job, name));
+            }
+            None => self.post_read(job, name),
         }
     }
 
-    fn post_read(&mut self, job: LoadJob, name: String) {
+    /// Posts the `slow_read` jobs whose wait is over (or ends the cancelled ones).
+    fn post_delayed(&mut self) {
+        if self.delayed.is_empty() {
+            return;
+        }
+        let now = Instant::now();
+        let (due, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut self.delayed)
+            .into_iter()
+            .partition(|(at, job, _)| *at <= now || job.cancelled());
+        self.delayed = waiting;
+        for (_, job, name) in due {
+            if job.cancelled() {
+                let _ = self.release(&job, &name);
+                self.report(job.request_id, LoadOutcome::Cancelled);
+            } else {
+                self.post_read(job, name);
+            }
+        }
+    }
+
+    fn post_read(&mut self, mut job: LoadJob, name: String) {
+        if let Some((f, rng)) = &mut self.fault {
+            if f.kind == TransportFaultKind::WrongBlock && rng.hit(f.probability) {
+                if let Some(what) = wrong_block(&mut job.remote, rng) {
+                    tracing::warn!(
+                        request = job.request_id,
+                        "transport fault injected (wrong_block, testing only): the READ {what}"
+                    );
+                }
+            }
+        }
         let renew = PullNotif::Renew(&job.remote_request_id).encode();
         if let Err(e) = self.agent.send_notif(&name, &renew) {
             self.forget(&job.peer, &name);

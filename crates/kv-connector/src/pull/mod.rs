@@ -27,6 +27,7 @@
 //! registers its KV caches, and never changes afterwards.
 
 pub mod access;
+pub mod fault;
 pub mod leases;
 pub mod loader;
 pub mod protocol;
@@ -150,6 +151,7 @@ pub fn nixl_pull_connector(
             load_timeout: extra.load_timeout,
             handshake_timeout: extra.handshake_timeout,
             auth: auth.clone(),
+            transport_fault: extra.transport_fault_injection,
         },
         handshake.clone(),
         lease_table.clone(),

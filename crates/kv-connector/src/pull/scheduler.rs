@@ -361,8 +361,12 @@ impl KvConnectorScheduler for NixlPullScheduler {
                     tp_size: SUPPORTED_TP_SIZE,
                 };
                 let deadline = Instant::now() + self.config.kv_lease_duration;
-                self.lease_table
-                    .issue(&remote_request_id, &params.remote_block_ids, deadline);
+                self.lease_table.issue(
+                    &remote_request_id,
+                    &params.remote_block_ids,
+                    request.prompt_token_ids.len(),
+                    deadline,
+                );
                 self.leases.insert(id, remote_request_id.clone());
                 self.pending.leases.push(LeaseSpec {
                     request_id: id,

@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 
 use tandem_kv_cache::KvStorage;
 
+use super::fault::{TransportFault, TransportFaultKind};
 use super::leases::LeaseTable;
 use super::loader::{LoadJob, LoadOutcome, Loader, LoaderConfig};
 use super::protocol::{LoadKind, LoadSpec, PullMetadata, PullNotif};
@@ -47,6 +48,8 @@ pub struct PullWorkerConfig {
     pub handshake_timeout: Duration,
     /// The deployment secret: a consumer signs its handshake requests with it.
     pub auth: Option<TransferAuth>,
+    /// Testing only: a fault where the bytes move (`pull::fault`).
+    pub transport_fault: Option<TransportFault>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -337,6 +340,18 @@ impl KvConnectorWorker for NixlPullWorker {
                 "KV caches are already registered with this connector".into(),
             ));
         }
+        if let Some(f) = self.config.transport_fault {
+            tracing::warn!(
+                kind = f.kind.as_str(),
+                probability = f.probability,
+                "transport fault injection is on (testing only): KV transfers will be broken \
+                 on purpose; unset kv_connector_extra_config.transport_fault_injection for real \
+                 traffic"
+            );
+            if f.kind == TransportFaultKind::CorruptSource {
+                self.lease_table.arm_source_fault(storage.clone(), f);
+            }
+        }
         let agent = Arc::new(NixlAgent::new(self.config.agent.clone(), storage)?);
         self.handshake.publish(agent.handshake()?.to_json());
         if self.config.role.is_consumer() {
@@ -350,6 +365,9 @@ impl KvConnectorWorker for NixlPullWorker {
                         && !self.config.role.is_producer(),
                 },
                 self.config.auth.clone(),
+                self.config
+                    .transport_fault
+                    .filter(|f| f.kind != TransportFaultKind::CorruptSource),
             )?);
         }
         self.agent = Some(agent);

@@ -41,6 +41,14 @@ pub struct Server {
     pub log: PathBuf,
 }
 
+impl Server {
+    /// Sends `signal` to the process (SIGKILL, SIGSTOP, SIGCONT, SIGTERM).
+    pub fn signal(&self, signal: i32) {
+        // SAFETY: a signal to our own child process.
+        unsafe { libc::kill(self.child.id() as i32, signal) };
+    }
+}
+
 impl Drop for Server {
     fn drop(&mut self) {
         let _ = self.child.kill();
@@ -67,7 +75,18 @@ impl Server {
         args: &[&str],
         env: &[(&str, &str)],
     ) -> Server {
-        let port = free_port();
+        Self::start_on(netns, host, free_port(), sub, args, env)
+    }
+
+    /// [`Self::start_at`] on a given port (a restart where the last process listened).
+    pub fn start_on(
+        netns: Option<&str>,
+        host: &str,
+        port: u16,
+        sub: &str,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Server {
         let log = std::env::temp_dir().join(format!("tandem-test-{sub}-{port}.log"));
         let logf = std::fs::File::create(&log).unwrap();
         let mut cmd = match netns {

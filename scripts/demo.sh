@@ -22,6 +22,9 @@ pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
 trap cleanup EXIT
 
+# Both instances share a fresh KV transfer secret: the producer signs its kv_transfer_params, the
+# consumer accepts only signed ones (see README, Security).
+export TANDEM_KV_TRANSFER_SECRET=${TANDEM_KV_TRANSFER_SECRET:-$(python3 -c 'import secrets; print(secrets.token_urlsafe(24))')}
 checksum='"enable_kv_checksum":true'
 consumer="{\"kv_connector\":\"NixlConnector\",\"kv_role\":\"kv_consumer\",$checksum,\"kv_checksum_fail_closed\":true,\"kv_load_failure_policy\":\"recompute\""
 if [ -n "$fault" ]; then
@@ -37,12 +40,13 @@ consumer="$consumer}"
     --prefill "http://127.0.0.1:$pport" --decode "http://127.0.0.1:$dport" \
     >"$logs/proxy.log" 2>&1 & pids+=($!)
 for _ in $(seq 1 600); do
+    # The proxy answers /health once both instances are in its rotation.
     if curl -sf "http://127.0.0.1:$base/health" >/dev/null; then break; fi
     for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null || { tail -n 20 "$logs"/*.log; exit 1; }; done
     sleep 0.2
 done
 curl -sf "http://127.0.0.1:$base/health" >/dev/null || { echo "the deployment did not come up; logs in $logs"; exit 1; }
-echo "== 1P1D up: prefill :$pport, decode :$dport, proxy :$base (logs in $logs)${fault:+, fault injection: $fault}"
+echo "== 1P1D up: prefill :$pport, decode :$dport, proxy :$base, signed KV transfer params (logs in $logs)${fault:+, fault injection: $fault}"
 echo "== Q: $question"
 printf '== A: '
 body=$(python3 -c 'import json,sys; print(json.dumps({"model":"smollm2-135m","messages":[{"role":"user","content":sys.argv[1]}],"max_tokens":64,"temperature":0,"stream":True}))' "$question")
@@ -63,7 +67,7 @@ print()'
 sleep 0.3
 echo "== decode instance: KV transfer and checksum metrics"
 curl -s "http://127.0.0.1:$dport/metrics" |
-    grep -E '^tandem:(kv_transfer_(bytes|failures)_total|kv_transfer_seconds_(sum|count)|kv_checksum_(loads|unverified|mismatched_blocks)_total|kv_checksum_compute_seconds_(sum|count)|kv_load_failures_total)' || true
+    grep -E '^tandem:(kv_transfer_(bytes|failures|refused)_total|kv_transfer_seconds_(sum|count)|kv_checksum_(loads|unverified|mismatched_blocks)_total|kv_checksum_compute_seconds_(sum|count)|kv_load_failures_total)' || true
 echo "== prefill instance"
 curl -s "http://127.0.0.1:$pport/metrics" |
     grep -E '^tandem:(kv_checksum_sends_total|kv_lease_expired_total|kv_cache_free_blocks|kv_cache_total_blocks) ' || true

@@ -61,6 +61,9 @@ impl ProxyStatus {
     }
 }
 
+/// Most time between health rounds while some instance is out of rotation.
+pub const UNHEALTHY_RECHECK: std::time::Duration = std::time::Duration::from_millis(500);
+
 impl ProxyState {
     /// Validates `args` and builds the state. `prometheus` renders `/metrics` (404 without it);
     /// it must be the handle of the globally installed recorder for the proxy's metrics to show.
@@ -106,15 +109,27 @@ impl ProxyState {
 
     /// Starts the background health checks: every `health_check_interval_secs`, `GET {url}/health`
     /// on each instance; a 2xx within `health_check_timeout_secs` puts it in rotation, anything
-    /// else takes it out. The first round runs at once. Abort the handle to stop it.
+    /// else takes it out. The first round runs at once, and while an instance is out of rotation
+    /// rounds come at least every [`UNHEALTHY_RECHECK`], so an instance that comes up (or back)
+    /// rejoins quickly. Abort the handle to stop it.
     pub fn spawn_health_checks(&self) -> tokio::task::JoinHandle<()> {
         let state = self.clone();
         tokio::spawn(async move {
-            let mut tick = tokio::time::interval(state.settings().health_check_interval);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let interval = state.settings().health_check_interval;
             loop {
-                tick.tick().await;
                 state.check_health_once().await;
+                let status = state.status();
+                let all_up = status
+                    .prefill
+                    .iter()
+                    .chain(&status.decode)
+                    .all(|i| i.healthy);
+                let wait = if all_up {
+                    interval
+                } else {
+                    interval.min(UNHEALTHY_RECHECK)
+                };
+                tokio::time::sleep(wait).await;
             }
         })
     }

@@ -1,6 +1,7 @@
-//! P/D across two network hosts: the producer and the consumer run in two network namespaces
-//! joined by veth pairs on a bridge, each with its own address; the proxy, in the root namespace,
-//! reaches both over the bridge. Outputs must equal a single instance's. Needs root (CI is root);
+//! P/D across two network hosts, and a partition between them: the producer and the consumer run
+//! in two network namespaces joined by veth pairs on a bridge, each with its own address; the
+//! proxy, in the root namespace, reaches both over the bridge. The partition drops the bridged
+//! traffic between P and D only (iptables), under load, then heals. Outputs must equal a single instance's. Needs root (CI is root);
 //! elsewhere the test says so and passes without running. Both instances listen beyond loopback,
 //! so both hold the deployment's KV transfer secret; without it an instance refuses to start.
 
@@ -15,6 +16,9 @@ use serde_json::{json, Value};
 const BRIDGE_ADDR: &str = "10.77.0.254";
 const PRODUCER_ADDR: &str = "10.77.0.1";
 const CONSUMER_ADDR: &str = "10.77.0.2";
+
+/// The tests share the addresses: one at a time.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// Two namespaces on a bridge; torn down on drop.
 struct Hosts {
@@ -33,7 +37,9 @@ fn ip(args: &[&str]) {
 
 impl Hosts {
     fn new() -> Hosts {
-        let tag = format!("t{}", std::process::id() % 100_000);
+        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let tag = format!("t{}{n}", std::process::id() % 10_000);
         let h = Hosts { tag };
         let br = h.name("br");
         ip(&["link", "add", &br, "type", "bridge"]);
@@ -139,6 +145,7 @@ async fn pd_across_two_network_namespaces_matches_one_instance() {
         return;
     }
     common::require_model();
+    let _serial = SERIAL.lock().await;
     let hosts = Hosts::new();
     let producer_cfg = format!(
         r#"{{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_connector_extra_config":{{"side_channel_host":"{PRODUCER_ADDR}"}}}}"#
@@ -218,6 +225,129 @@ async fn pd_across_two_network_namespaces_matches_one_instance() {
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("loopback only"));
+    drop(proxy);
+    drop(producer);
+    drop(consumer);
+    drop(hosts);
+}
+
+/// Drops (or, with `-D`, lets through again) the bridged traffic between P and D, both ways:
+/// each stays reachable from the root namespace (the proxy), only P-D is cut.
+fn partition(op: &str) {
+    for (src, dst) in [
+        (PRODUCER_ADDR, CONSUMER_ADDR),
+        (CONSUMER_ADDR, PRODUCER_ADDR),
+    ] {
+        let out = Command::new("iptables")
+            .args([op, "FORWARD", "-s", src, "-d", dst, "-j", "DROP"])
+            .output()
+            .expect("iptables");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+/// P cut from D under load: loads fail within the consumer's timeouts and recompute to the
+/// right answer; after the cut heals, loads move over NIXL again; nothing leaks on either side.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_between_producer_and_consumer_recomputes_then_heals() {
+    if !is_root() || Command::new("iptables").arg("-S").output().is_err() {
+        eprintln!("skipped: needs root and iptables (CI runs this test as root)");
+        return;
+    }
+    common::require_model();
+    let _serial = SERIAL.lock().await;
+    let hosts = Hosts::new();
+    let dir = tempfile::tempdir().unwrap();
+    let secret = dir.path().join("kv-secret");
+    std::fs::write(&secret, "partition-test-deployment-secret").unwrap();
+    let secret = secret.to_str().unwrap();
+    let producer_cfg = format!(
+        r#"{{"kv_connector":"NixlConnector","kv_role":"kv_producer","enable_kv_checksum":true,"kv_connector_extra_config":{{"side_channel_host":"{PRODUCER_ADDR}","kv_lease_duration":3}}}}"#
+    );
+    let consumer_cfg = r#"{"kv_connector":"NixlConnector","kv_role":"kv_consumer","enable_kv_checksum":true,"kv_checksum_fail_closed":true,"kv_load_failure_policy":"recompute","kv_connector_extra_config":{"load_timeout":3,"handshake_timeout":2}}"#;
+    let (pdev, ddev) = (hosts.inner_dev("p"), hosts.inner_dev("d"));
+    let producer = Server::start_at(
+        Some(&hosts.ns("p")),
+        PRODUCER_ADDR,
+        "serve",
+        &[
+            "--kv-transfer-config",
+            &producer_cfg,
+            "--kv-transfer-secret-file",
+            secret,
+        ],
+        &[("UCX_NET_DEVICES", &pdev)],
+    );
+    let consumer = Server::start_at(
+        Some(&hosts.ns("d")),
+        CONSUMER_ADDR,
+        "serve",
+        &[
+            "--kv-transfer-config",
+            consumer_cfg,
+            "--kv-transfer-secret-file",
+            secret,
+        ],
+        &[("UCX_NET_DEVICES", &ddev)],
+    );
+    let proxy = Server::start(
+        "proxy",
+        &["--prefill", &producer.base, "--decode", &consumer.base],
+        &[],
+    );
+    let single = Server::serve(&[]);
+    let prompts = [
+        "The capital of France is",
+        "Water boils at",
+        "The quick brown fox",
+    ];
+    let failures = || async {
+        consumer
+            .metric("tandem:kv_load_failures_total", &[("policy", "recompute")])
+            .await
+            .unwrap_or(0.0)
+    };
+    for p in prompts {
+        assert_eq!(greedy(&proxy.base, p).await, greedy(&single.base, p).await);
+    }
+    assert_eq!(failures().await, 0.0, "loads over NIXL before the cut");
+
+    partition("-I");
+    for p in prompts {
+        let t = std::time::Instant::now();
+        assert_eq!(
+            greedy(&proxy.base, p).await,
+            greedy(&single.base, p).await,
+            "{p}"
+        );
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "answered within the timeouts"
+        );
+    }
+    let during = failures().await;
+    assert!(during >= 1.0, "loads failed and were recomputed while cut");
+    partition("-D");
+
+    // Healed: a load moves over NIXL again (the failure count stops growing).
+    let healed = async {
+        loop {
+            let before = failures().await;
+            let p = prompts[0];
+            assert_eq!(greedy(&proxy.base, p).await, greedy(&single.base, p).await);
+            if failures().await == before {
+                break;
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(60), healed)
+        .await
+        .expect("loads over NIXL again after the cut healed");
+    common::wait_all_free(&[&producer, &consumer]).await;
     drop(proxy);
     drop(producer);
     drop(consumer);

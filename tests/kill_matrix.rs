@@ -222,14 +222,31 @@ async fn wait_healthy(proxy: &Server, role: &str, want: f64) {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sigkill_of_the_producer_mid_load() {
-    let _serial = SERIAL.lock().await;
+/// A 1P1D deployment behind the proxy under the clients' load, already answering.
+async fn under_load() -> (Server, Server, Server, Load) {
     let p = start_producer(None);
     let d = start_consumer(None);
     let proxy = start_proxy(&p, &d, None);
     let load = Load::start(&proxy.base);
     load.until_answered(4, Duration::from_secs(60)).await;
+    (p, d, proxy, load)
+}
+
+/// Waits for answers again, stops the load and checks what every fault must leave: no request
+/// beyond its bound (in `finish`), answers before and after, at least one failure.
+async fn recovers(load: Load) {
+    load.until_answered(4, Duration::from_secs(60)).await;
+    let (answered, failed) = load.finish().await;
+    assert!(
+        answered >= 8 && failed >= 1,
+        "{answered} answered, {failed} failed"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_of_the_producer_mid_load() {
+    let _serial = SERIAL.lock().await;
+    let (p, d, proxy, load) = under_load().await;
     let port = p.port;
     p.signal(libc::SIGKILL);
     drop(p);
@@ -237,12 +254,7 @@ async fn sigkill_of_the_producer_mid_load() {
     tokio::time::sleep(Duration::from_secs(2)).await;
     let p = start_producer(Some(port));
     wait_healthy(&proxy, "prefill", 1.0).await;
-    load.until_answered(4, Duration::from_secs(60)).await;
-    let (answered, failed) = load.finish().await;
-    assert!(
-        answered >= 8 && failed >= 1,
-        "{answered} answered, {failed} failed"
-    );
+    recovers(load).await;
     assert!(
         proxy_failures(&proxy).await >= 1.0,
         "the proxy counts the failed requests"
@@ -253,11 +265,7 @@ async fn sigkill_of_the_producer_mid_load() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_of_the_consumer_mid_load() {
     let _serial = SERIAL.lock().await;
-    let p = start_producer(None);
-    let d = start_consumer(None);
-    let proxy = start_proxy(&p, &d, None);
-    let load = Load::start(&proxy.base);
-    load.until_answered(4, Duration::from_secs(60)).await;
+    let (p, d, proxy, load) = under_load().await;
     let port = d.port;
     d.signal(libc::SIGKILL);
     drop(d);
@@ -267,12 +275,7 @@ async fn sigkill_of_the_consumer_mid_load() {
     common::wait_all_free(&[&p]).await;
     let d = start_consumer(Some(port));
     wait_healthy(&proxy, "decode", 1.0).await;
-    load.until_answered(4, Duration::from_secs(60)).await;
-    let (answered, failed) = load.finish().await;
-    assert!(
-        answered >= 8 && failed >= 1,
-        "{answered} answered, {failed} failed"
-    );
+    recovers(load).await;
     let mid_stream = proxy
         .metric(
             "tandem:proxy_requests_total",
@@ -298,11 +301,7 @@ async fn sigkill_of_the_consumer_mid_load() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_of_the_proxy_mid_load() {
     let _serial = SERIAL.lock().await;
-    let p = start_producer(None);
-    let d = start_consumer(None);
-    let proxy = start_proxy(&p, &d, None);
-    let load = Load::start(&proxy.base);
-    load.until_answered(4, Duration::from_secs(60)).await;
+    let (p, d, proxy, load) = under_load().await;
     let port = proxy.port;
     proxy.signal(libc::SIGKILL);
     drop(proxy);
@@ -310,12 +309,7 @@ async fn sigkill_of_the_proxy_mid_load() {
     tokio::time::sleep(Duration::from_secs(1)).await;
     common::wait_all_free(&[&p, &d]).await;
     let proxy = start_proxy(&p, &d, Some(port));
-    load.until_answered(4, Duration::from_secs(60)).await;
-    let (answered, failed) = load.finish().await;
-    assert!(
-        answered >= 8 && failed >= 1,
-        "{answered} answered, {failed} failed"
-    );
+    recovers(load).await;
     drop(proxy);
     common::wait_all_free(&[&p, &d]).await;
 }
@@ -323,23 +317,14 @@ async fn sigkill_of_the_proxy_mid_load() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_producer_stopped_past_the_timeouts_and_continued() {
     let _serial = SERIAL.lock().await;
-    let p = start_producer(None);
-    let d = start_consumer(None);
-    let proxy = start_proxy(&p, &d, None);
-    let load = Load::start(&proxy.base);
-    load.until_answered(4, Duration::from_secs(60)).await;
+    let (p, d, proxy, load) = under_load().await;
     p.signal(libc::SIGSTOP);
     wait_healthy(&proxy, "prefill", 0.0).await;
     // Past the consumer's handshake and load timeouts and the proxy's prefill timeout.
     tokio::time::sleep(Duration::from_secs(12)).await;
     p.signal(libc::SIGCONT);
     wait_healthy(&proxy, "prefill", 1.0).await;
-    load.until_answered(4, Duration::from_secs(60)).await;
-    let (answered, failed) = load.finish().await;
-    assert!(
-        answered >= 8 && failed >= 1,
-        "{answered} answered, {failed} failed"
-    );
+    recovers(load).await;
     assert!(
         proxy_failures(&proxy).await >= 1.0,
         "the proxy counts the failed requests"

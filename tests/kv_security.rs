@@ -38,17 +38,6 @@ async fn post(base: &str, path: &str, body: &Value) -> (u16, Value) {
     (st, r.json().await.unwrap_or(Value::Null))
 }
 
-async fn prefill_params(producer: &Server, prompt: &str) -> Value {
-    let (st, v) = post(
-        &producer.base,
-        "/v1/completions",
-        &json!({"prompt": prompt, "max_tokens": 1, "temperature": 0, "kv_transfer_params": {"do_remote_decode": true}}),
-    )
-    .await;
-    assert_eq!(st, 200, "{v}");
-    v["kv_transfer_params"].clone()
-}
-
 async fn greedy(base: &str, prompt: &str, params: Option<&Value>) -> (u16, Value) {
     let mut body = json!({"prompt": prompt, "max_tokens": 6, "temperature": 0});
     if let Some(p) = params {
@@ -88,7 +77,7 @@ async fn a_client_skipping_the_proxy_reads_no_other_requests_kv() {
     assert!(!text(&attacker_alone).contains("SWORDFISH"));
 
     // The victim's request, prefilled and waiting for its consumer.
-    let victim = prefill_params(&producer, VICTIM).await;
+    let victim = common::prefill_params(&producer, VICTIM).await;
     // The engine id is public: the handshake serves it on loopback without a secret.
     let hs: Value = reqwest::get(producer.url("/v1/kv/handshake"))
         .await
@@ -230,7 +219,7 @@ async fn with_a_secret_only_signed_params_and_peers_move_kv() {
     let prompt = "The capital of France is";
     let (_, alone) = greedy(&single.base, prompt, None).await;
 
-    let signed = prefill_params(&producer, prompt).await;
+    let signed = common::prefill_params(&producer, prompt).await;
     assert!(signed["signature"].is_string(), "{signed}");
     assert!(signed["expires_at"].is_u64(), "{signed}");
     let (st, v) = greedy(&decode.base, prompt, Some(&signed)).await;
@@ -243,7 +232,7 @@ async fn with_a_secret_only_signed_params_and_peers_move_kv() {
     );
 
     // Unsigned, edited, replayed-elsewhere and expired params: refused before any connection.
-    let fresh = prefill_params(&producer, prompt).await;
+    let fresh = common::prefill_params(&producer, prompt).await;
     let mut unsigned = fresh.clone();
     unsigned.as_object_mut().unwrap().remove("signature");
     let mut edited = fresh.clone();
@@ -255,7 +244,7 @@ async fn with_a_secret_only_signed_params_and_peers_move_kv() {
         assert_eq!(st, status, "{params}: {v}");
         assert_eq!(v["error"]["param"], "kv_transfer_params");
     }
-    let expiring = prefill_params(&slow, prompt).await;
+    let expiring = common::prefill_params(&slow, prompt).await;
     tokio::time::sleep(Duration::from_millis(1200)).await;
     let (st, v) = greedy(&decode.base, prompt, Some(&expiring)).await;
     assert_eq!(st, 403, "{v}");
@@ -305,7 +294,7 @@ async fn with_a_secret_only_signed_params_and_peers_move_kv() {
     .await;
     assert_eq!(st, 409, "{v}");
     // A release with unsigned params is refused and frees nothing.
-    let held = prefill_params(&producer, prompt).await;
+    let held = common::prefill_params(&producer, prompt).await;
     let mut forged = held.clone();
     forged.as_object_mut().unwrap().remove("signature");
     let (st, _) = post(

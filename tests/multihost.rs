@@ -109,6 +109,34 @@ impl Drop for Hosts {
     }
 }
 
+/// The producer in namespace p and the consumer in d, each on its own address with the secret.
+fn start_pair(
+    hosts: &Hosts,
+    producer_cfg: &str,
+    consumer_cfg: &str,
+    secret: &str,
+) -> (Server, Server) {
+    let start = |role: &str, addr: &str, cfg: &str| {
+        let dev = hosts.inner_dev(role);
+        Server::start_at(
+            Some(&hosts.ns(role)),
+            addr,
+            "serve",
+            &[
+                "--kv-transfer-config",
+                cfg,
+                "--kv-transfer-secret-file",
+                secret,
+            ],
+            &[("UCX_NET_DEVICES", &dev)],
+        )
+    };
+    (
+        start("p", PRODUCER_ADDR, producer_cfg),
+        start("d", CONSUMER_ADDR, consumer_cfg),
+    )
+}
+
 fn is_root() -> bool {
     Command::new("id")
         .arg("-u")
@@ -151,37 +179,12 @@ async fn pd_across_two_network_namespaces_matches_one_instance() {
         r#"{{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_connector_extra_config":{{"side_channel_host":"{PRODUCER_ADDR}"}}}}"#
     );
     let consumer_cfg = r#"{"kv_connector":"NixlConnector","kv_role":"kv_consumer","kv_load_failure_policy":"fail"}"#;
-    let pdev = hosts.inner_dev("p");
-    let ddev = hosts.inner_dev("d");
     // Instances that listen beyond loopback need the deployment's secret (protected mode).
     let dir = tempfile::tempdir().unwrap();
     let secret = dir.path().join("kv-secret");
     std::fs::write(&secret, "multihost-test-deployment-secret\n").unwrap();
     let secret = secret.to_str().unwrap();
-    let producer = Server::start_at(
-        Some(&hosts.ns("p")),
-        PRODUCER_ADDR,
-        "serve",
-        &[
-            "--kv-transfer-config",
-            &producer_cfg,
-            "--kv-transfer-secret-file",
-            secret,
-        ],
-        &[("UCX_NET_DEVICES", &pdev)],
-    );
-    let consumer = Server::start_at(
-        Some(&hosts.ns("d")),
-        CONSUMER_ADDR,
-        "serve",
-        &[
-            "--kv-transfer-config",
-            consumer_cfg,
-            "--kv-transfer-secret-file",
-            secret,
-        ],
-        &[("UCX_NET_DEVICES", &ddev)],
-    );
+    let (producer, consumer) = start_pair(&hosts, &producer_cfg, consumer_cfg, secret);
     let proxy = Server::start(
         "proxy",
         &["--prefill", &producer.base, "--decode", &consumer.base],
@@ -269,31 +272,7 @@ async fn a_partition_between_producer_and_consumer_recomputes_then_heals() {
         r#"{{"kv_connector":"NixlConnector","kv_role":"kv_producer","enable_kv_checksum":true,"kv_connector_extra_config":{{"side_channel_host":"{PRODUCER_ADDR}","kv_lease_duration":3}}}}"#
     );
     let consumer_cfg = r#"{"kv_connector":"NixlConnector","kv_role":"kv_consumer","enable_kv_checksum":true,"kv_checksum_fail_closed":true,"kv_load_failure_policy":"recompute","kv_connector_extra_config":{"load_timeout":3,"handshake_timeout":2}}"#;
-    let (pdev, ddev) = (hosts.inner_dev("p"), hosts.inner_dev("d"));
-    let producer = Server::start_at(
-        Some(&hosts.ns("p")),
-        PRODUCER_ADDR,
-        "serve",
-        &[
-            "--kv-transfer-config",
-            &producer_cfg,
-            "--kv-transfer-secret-file",
-            secret,
-        ],
-        &[("UCX_NET_DEVICES", &pdev)],
-    );
-    let consumer = Server::start_at(
-        Some(&hosts.ns("d")),
-        CONSUMER_ADDR,
-        "serve",
-        &[
-            "--kv-transfer-config",
-            consumer_cfg,
-            "--kv-transfer-secret-file",
-            secret,
-        ],
-        &[("UCX_NET_DEVICES", &ddev)],
-    );
+    let (producer, consumer) = start_pair(&hosts, &producer_cfg, consumer_cfg, secret);
     let proxy = Server::start(
         "proxy",
         &["--prefill", &producer.base, "--decode", &consumer.base],

@@ -246,20 +246,6 @@ async fn two_producers_one_consumer_and_one_producer_two_consumers() {
     }
 }
 
-/// Prefills on the producer directly, as the proxy would, and returns its kv_transfer_params.
-async fn prefill_params(producer: &Server, prompt: &str) -> Value {
-    let (st, v) = post(
-        &producer.base,
-        "/v1/completions",
-        &json!({"prompt": prompt, "max_tokens": 1, "temperature": 0, "kv_transfer_params": {"do_remote_decode": true}}),
-    )
-    .await;
-    assert_eq!(st, 200, "{v}");
-    let p = v["kv_transfer_params"].clone();
-    assert_eq!(p["do_remote_prefill"], true, "{v}");
-    p
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dead_producer_follows_the_failure_policy() {
     let single = Server::serve(&[]);
@@ -269,7 +255,7 @@ async fn dead_producer_follows_the_failure_policy() {
         let producer = Server::serve(&["--kv-transfer-config", PRODUCER]);
         let cfg = consumer(policy);
         let decode = Server::serve(&["--kv-transfer-config", &cfg]);
-        let params = prefill_params(&producer, prompt).await;
+        let params = common::prefill_params(&producer, prompt).await;
         drop(producer); // killed before the consumer reads
         let (st, v) = post(
             &decode.base,
@@ -305,7 +291,7 @@ async fn dead_producer_follows_the_failure_policy() {
 async fn dead_consumer_leaves_the_producer_to_free_at_lease_expiry() {
     let cfg = r#"{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_connector_extra_config":{"kv_lease_duration":2}}"#;
     let producer = Server::serve(&["--kv-transfer-config", cfg]);
-    let _params = prefill_params(&producer, PROMPTS[6]).await;
+    let _params = common::prefill_params(&producer, PROMPTS[6]).await;
     // nobody reads: the blocks stay held until the lease expires
     let total = producer
         .metric("tandem:kv_cache_total_blocks", &[])
@@ -329,7 +315,7 @@ async fn malformed_or_forged_transfer_params_are_rejected_without_leaks() {
     let cfg = consumer("fail");
     let decode = Server::serve(&["--kv-transfer-config", &cfg]);
     let prompt = PROMPTS[0];
-    let good = prefill_params(&producer, prompt).await;
+    let good = common::prefill_params(&producer, prompt).await;
     let mut wrong_blocks = good.clone();
     wrong_blocks["remote_block_ids"] = json!([1, 2, 3, 4, 5, 6, 7, 8]);
     let mut bad_port = good.clone();

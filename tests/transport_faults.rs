@@ -54,14 +54,9 @@ async fn answer(base: &str, prompt: &str, params: Option<&Value>) -> Vec<u64> {
 }
 
 async fn prefill(producer: &Server, prompt: &str) -> Value {
-    let v = post(
-        &producer.base,
-        &json!({"prompt": prompt, "max_tokens": 1, "temperature": 0,
-                "kv_transfer_params": {"do_remote_decode": true}}),
-    )
-    .await;
-    assert!(v["kv_transfer_params"]["kv_checksums"].is_string(), "{v}");
-    v["kv_transfer_params"].clone()
+    let params = common::prefill_params(producer, prompt).await;
+    assert!(params["kv_checksums"].is_string(), "{params}");
+    params
 }
 
 async fn assert_caught(decode: &Server, what: &str) {

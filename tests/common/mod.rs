@@ -239,3 +239,23 @@ pub async fn sse_events(resp: reqwest::Response) -> Vec<String> {
     }
     out
 }
+
+/// Prefills `prompt` on a producer directly, as the proxy would (`max_tokens: 1`,
+/// `do_remote_decode`), and returns the `kv_transfer_params` it answers.
+pub async fn prefill_params(producer: &Server, prompt: &str) -> serde_json::Value {
+    let r = reqwest::Client::new()
+        .post(producer.url("/v1/completions"))
+        .json(
+            &serde_json::json!({"prompt": prompt, "max_tokens": 1, "temperature": 0,
+            "kv_transfer_params": {"do_remote_decode": true}}),
+        )
+        .timeout(Duration::from_secs(120))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let v: serde_json::Value = r.json().await.unwrap();
+    let p = v["kv_transfer_params"].clone();
+    assert_eq!(p["do_remote_prefill"], true, "{v}");
+    p
+}

@@ -9,36 +9,9 @@
 
 use tandem_kv_cache::{KvPart, KvStorage};
 use tandem_kv_checksum::{ChecksumRequest, ScheduledGroup};
+pub(crate) use tandem_kv_connector::pull::fault::SplitMix;
 
 use super::config::{BlockFault, FaultKind};
-
-/// splitmix64: a small deterministic RNG, the same on every platform and dependency version.
-#[derive(Debug, Clone)]
-pub(crate) struct SplitMix(u64);
-
-impl SplitMix {
-    pub(crate) fn new(seed: u64) -> Self {
-        SplitMix(seed)
-    }
-
-    pub(crate) fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `[0, n)`; `n > 0`.
-    pub(crate) fn below(&mut self, n: usize) -> usize {
-        (self.next_u64() % n as u64) as usize
-    }
-
-    /// Uniform in `[0, 1)`.
-    pub(crate) fn unit(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
 
 /// The storage layers of a group on this worker.
 fn group_layers(storage: &KvStorage, group_id: usize) -> Vec<usize> {

@@ -148,16 +148,17 @@ impl TransportFault {
     }
 }
 
-/// splitmix64, deterministic on every platform.
+/// splitmix64: a small deterministic RNG, the same on every platform and dependency version
+/// (the fault injectors' RNG, here and in the engine's checksum faults).
 #[derive(Debug, Clone)]
-pub(crate) struct FaultRng(u64);
+pub struct SplitMix(u64);
 
-impl FaultRng {
-    pub(crate) fn new(seed: u64) -> Self {
-        FaultRng(seed)
+impl SplitMix {
+    pub fn new(seed: u64) -> Self {
+        SplitMix(seed)
     }
 
-    fn next(&mut self) -> u64 {
+    pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
@@ -166,13 +167,18 @@ impl FaultRng {
     }
 
     /// Uniform in `[0, n)`; `n > 0`.
-    pub(crate) fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n as u64) as usize
     }
 
-    /// Whether this transfer gets the fault.
-    pub(crate) fn hit(&mut self, probability: f64) -> bool {
-        ((self.next() >> 11) as f64 / (1u64 << 53) as f64) < probability
+    /// Uniform in `[0, 1)`.
+    pub fn unit(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// True with probability `p`.
+    pub fn hit(&mut self, p: f64) -> bool {
+        self.unit() < p
     }
 }
 
@@ -185,7 +191,7 @@ pub(crate) unsafe fn corrupt_source(
     storage: &KvStorage,
     blocks: &[u32],
     num_tokens: usize,
-    rng: &mut FaultRng,
+    rng: &mut SplitMix,
 ) -> Option<String> {
     let layers = storage.num_layers();
     if layers == 0 || blocks.is_empty() || num_tokens == 0 {
@@ -216,7 +222,7 @@ pub(crate) unsafe fn corrupt_source(
 }
 
 /// `wrong_block`: changes which producer blocks the READ takes. Returns what it did.
-pub(crate) fn wrong_block(remote: &mut [usize], rng: &mut FaultRng) -> Option<String> {
+pub(crate) fn wrong_block(remote: &mut [usize], rng: &mut SplitMix) -> Option<String> {
     match remote.len() {
         0 => None,
         1 => {
@@ -309,7 +315,7 @@ mod tests {
 
     #[test]
     fn wrong_block_always_changes_the_read() {
-        let mut rng = FaultRng::new(9);
+        let mut rng = SplitMix::new(9);
         for n in 1..6 {
             for _ in 0..20 {
                 let orig: Vec<usize> = (0..n).map(|i| 10 + i).collect();

@@ -22,7 +22,7 @@ use std::time::Instant;
 
 use tandem_kv_cache::{BlockId, KvStorage};
 
-use super::fault::{corrupt_source, FaultRng, TransportFault};
+use super::fault::{corrupt_source, SplitMix, TransportFault};
 use crate::error::KvConnectorError;
 
 #[derive(Debug)]
@@ -40,7 +40,7 @@ struct Inner {
     leases: HashMap<String, Lease>,
     released: Vec<String>,
     /// Testing only: `corrupt_source`, applied when a claim is granted.
-    source_fault: Option<(Arc<KvStorage>, TransportFault, FaultRng)>,
+    source_fault: Option<(Arc<KvStorage>, TransportFault, SplitMix)>,
 }
 
 impl std::fmt::Debug for Inner {
@@ -84,7 +84,7 @@ impl LeaseTable {
 
     /// Arms `corrupt_source` (testing only) over the producer's KV memory.
     pub(crate) fn arm_source_fault(&self, storage: Arc<KvStorage>, fault: TransportFault) {
-        self.lock().source_fault = Some((storage, fault, FaultRng::new(fault.seed)));
+        self.lock().source_fault = Some((storage, fault, SplitMix::new(fault.seed)));
     }
 
     /// Records a lease the producer just issued for a prompt of `num_tokens` tokens.

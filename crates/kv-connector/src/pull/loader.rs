@@ -32,7 +32,7 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::fault::{wrong_block, FaultRng, TransportFault, TransportFaultKind};
+use super::fault::{wrong_block, SplitMix, TransportFault, TransportFaultKind};
 use super::protocol::{LoadKind, PeerAddr, PullNotif};
 use crate::auth::TransferAuth;
 use crate::error::KvConnectorError;
@@ -133,7 +133,7 @@ impl Loader {
             claiming: 0,
             client: None,
             auth,
-            fault: fault.map(|f| (f, FaultRng::new(f.seed))),
+            fault: fault.map(|f| (f, SplitMix::new(f.seed))),
             delayed: Vec::new(),
         };
         let thread = std::thread::Builder::new()
@@ -196,7 +196,7 @@ struct LoaderThread {
     client: Option<reqwest::blocking::Client>,
     auth: Option<TransferAuth>,
     /// Testing only: `wrong_block` or `slow_read` (see `pull::fault`).
-    fault: Option<(TransportFault, FaultRng)>,
+    fault: Option<(TransportFault, SplitMix)>,
     /// `slow_read`: granted jobs and when to post their READ.
     delayed: Vec<(Instant, LoadJob, String)>,
 }

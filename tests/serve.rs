@@ -407,8 +407,9 @@ async fn api_key_guards_the_api_but_not_the_probes() {
     }
 }
 
-/// Idle sockets, some with half a request line, beyond the connection limit: they are closed
-/// (over the limit at once, the rest at the header timeout) and `/health` keeps answering.
+/// Idle sockets beyond the connection limit, the first ones holding every slot with a body that
+/// never ends, others with half a request line: they are closed (over the limit at once, the rest
+/// at the header or body timeout) and `/health` keeps answering.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_sockets_over_the_limit_do_not_stop_health() {
     use std::io::Write;
@@ -419,7 +420,13 @@ async fn idle_sockets_over_the_limit_do_not_stop_health() {
         let Ok(mut sock) = std::net::TcpStream::connect(&addr) else {
             continue;
         };
-        if i % 2 == 0 {
+        if i < 16 {
+            // The first ones take every connection slot and trickle a body that never ends.
+            let _ = sock.write_all(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+                  Content-Length: 1000\r\n\r\n{\"prompt\": \"",
+            );
+        } else if i % 2 == 0 {
             let _ = sock.write_all(b"POST /v1/completions HTT");
         }
         idle.push(sock);

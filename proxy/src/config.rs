@@ -112,7 +112,8 @@ pub struct ProxyArgs {
     pub max_connections: usize,
 
     /// Seconds a client connection may take to send its request headers (and may stay idle
-    /// between two requests on a keep-alive connection); past it the connection is closed.
+    /// between two requests on a keep-alive connection), and to send a request's body once its headers
+    /// arrived; past it the connection is closed (the request fails).
     #[arg(long, env = "TANDEM_PROXY_HEADER_READ_TIMEOUT_SECS", default_value_t = DEFAULT_HEADER_READ_TIMEOUT_SECS)]
     pub header_read_timeout_secs: f64,
 }

@@ -33,7 +33,8 @@ pub struct EdgeLimits {
     /// Most connections served at once; one accepted over it is closed at once.
     pub max_connections: usize,
     /// Longest wait for a request's headers, from the connection's start or from the end of the
-    /// previous answer on a keep-alive connection; past it the connection is closed.
+    /// previous answer on a keep-alive connection (past it the connection is closed), and for a
+    /// request's body once its headers arrived (past it the request fails).
     pub header_read_timeout: Duration,
     /// After the shutdown signal, longest wait for the connections still serving a request;
     /// past it `serve` returns and what is left is dropped.

@@ -8,7 +8,8 @@
 //! - hyper's header read timeout (with a Tokio timer) runs whenever the connection waits for
 //!   request headers: from its start and again after each answer on a keep-alive connection, so
 //!   neither a silent socket nor a half-sent request line holds a permit longer than
-//!   `header_read_timeout`. Only HTTP/1 is spoken (no protocol sniffing that could wait without
+//!   `header_read_timeout`, and a request body must arrive within the same bound (else the
+//!   request fails and the connection is freed). Only HTTP/1 is spoken (no protocol sniffing that could wait without
 //!   a timer);
 //! - on shutdown the listener is closed first, every connection is told to finish its current
 //!   answer and close, and `serve` returns once all permits are back or after
@@ -26,6 +27,7 @@ use hyper_util::server::conn::auto;
 use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
+use tower_http::timeout::RequestBodyTimeoutLayer;
 
 use crate::limits::EdgeLimits;
 use crate::metrics;
@@ -113,6 +115,9 @@ pub async fn serve_with_stats(
         .check()
         .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
     metrics::describe();
+    // A body that does not arrive within the same bound fails its request (and frees the
+    // connection), so a client cannot hold a permit by trickling a body either.
+    let app = app.layer(RequestBodyTimeoutLayer::new(limits.header_read_timeout));
     let permits = Arc::new(Semaphore::new(limits.max_connections));
     let mut builder = auto::Builder::new(TokioExecutor::new()).http1_only();
     builder

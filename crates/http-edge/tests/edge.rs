@@ -154,17 +154,27 @@ async fn three_hundred_twenty_idle_sockets_do_not_starve_health() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keep_alive_connections_serve_several_requests() {
     let server = start(EdgeLimits::default()).await;
-    let client = reqwest::Client::new();
+    // Three requests, one after the other, on one socket (a pooled client may race its pool and
+    // open a second connection; a socket cannot).
+    let addr = server.url.trim_start_matches("http://").to_string();
+    let mut socket = TcpStream::connect(&addr).await.unwrap();
     for _ in 0..3 {
-        let body = client
-            .get(format!("{}/health", server.url))
-            .send()
-            .await
-            .unwrap()
-            .text()
+        socket
+            .write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
             .await
             .unwrap();
-        assert_eq!(body, "ok");
+        let mut got = Vec::new();
+        let mut buf = [0u8; 1024];
+        while !got.ends_with(b"ok") {
+            let n = socket.read(&mut buf).await.unwrap();
+            assert!(n > 0, "closed after {:?}", String::from_utf8_lossy(&got));
+            got.extend_from_slice(&buf[..n]);
+        }
+        assert!(
+            got.starts_with(b"HTTP/1.1 200"),
+            "{:?}",
+            String::from_utf8_lossy(&got)
+        );
     }
     assert_eq!(server.stats.accepted(), 1, "one connection, reused");
 }

@@ -77,7 +77,8 @@ pub struct ServeArgs {
     #[arg(long, env = "TANDEM_MAX_CONNECTIONS", default_value_t = tandem_http_edge::DEFAULT_MAX_CONNECTIONS)]
     pub max_connections: usize,
     /// Seconds a connection may take to send its request headers (and may stay idle between two
-    /// requests on a keep-alive connection); past it the connection is closed.
+    /// requests on a keep-alive connection), and to send a request's body once its headers
+    /// arrived; past it the connection is closed (the request fails).
     #[arg(long, env = "TANDEM_HEADER_READ_TIMEOUT_SECS", default_value_t = tandem_http_edge::DEFAULT_HEADER_READ_TIMEOUT_SECS)]
     pub header_read_timeout_secs: f64,
     /// Largest request body accepted (bytes); larger ones get 413.

@@ -109,13 +109,19 @@ impl Drop for Hosts {
     }
 }
 
-/// The producer in namespace p and the consumer in d, each on its own address with the secret.
-fn start_pair(
+/// The producer in namespace p and the consumer in d, each on its own address with the
+/// deployment's secret, and the proxy in the root namespace. The temporary directory holds the
+/// secret file.
+fn start_deployment(
     hosts: &Hosts,
     producer_cfg: &str,
     consumer_cfg: &str,
-    secret: &str,
-) -> (Server, Server) {
+) -> (Server, Server, Server, tempfile::TempDir) {
+    // Instances that listen beyond loopback need the deployment's secret (protected mode).
+    let dir = tempfile::tempdir().unwrap();
+    let secret = dir.path().join("kv-secret");
+    std::fs::write(&secret, "multihost-test-deployment-secret\n").unwrap();
+    let secret = secret.to_str().unwrap();
     let start = |role: &str, addr: &str, cfg: &str| {
         let dev = hosts.inner_dev(role);
         Server::start_at(
@@ -131,10 +137,14 @@ fn start_pair(
             &[("UCX_NET_DEVICES", &dev)],
         )
     };
-    (
-        start("p", PRODUCER_ADDR, producer_cfg),
-        start("d", CONSUMER_ADDR, consumer_cfg),
-    )
+    let producer = start("p", PRODUCER_ADDR, producer_cfg);
+    let consumer = start("d", CONSUMER_ADDR, consumer_cfg);
+    let proxy = Server::start(
+        "proxy",
+        &["--prefill", &producer.base, "--decode", &consumer.base],
+        &[],
+    );
+    (producer, consumer, proxy, dir)
 }
 
 fn is_root() -> bool {
@@ -179,17 +189,8 @@ async fn pd_across_two_network_namespaces_matches_one_instance() {
         r#"{{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_connector_extra_config":{{"side_channel_host":"{PRODUCER_ADDR}"}}}}"#
     );
     let consumer_cfg = r#"{"kv_connector":"NixlConnector","kv_role":"kv_consumer","kv_load_failure_policy":"fail"}"#;
-    // Instances that listen beyond loopback need the deployment's secret (protected mode).
-    let dir = tempfile::tempdir().unwrap();
-    let secret = dir.path().join("kv-secret");
-    std::fs::write(&secret, "multihost-test-deployment-secret\n").unwrap();
-    let secret = secret.to_str().unwrap();
-    let (producer, consumer) = start_pair(&hosts, &producer_cfg, consumer_cfg, secret);
-    let proxy = Server::start(
-        "proxy",
-        &["--prefill", &producer.base, "--decode", &consumer.base],
-        &[],
-    );
+    let (producer, consumer, proxy, _secret_dir) =
+        start_deployment(&hosts, &producer_cfg, consumer_cfg);
     let single = Server::serve(&[]);
     for p in [
         "The capital of France is",
@@ -264,20 +265,12 @@ async fn a_partition_between_producer_and_consumer_recomputes_then_heals() {
     common::require_model();
     let _serial = SERIAL.lock().await;
     let hosts = Hosts::new();
-    let dir = tempfile::tempdir().unwrap();
-    let secret = dir.path().join("kv-secret");
-    std::fs::write(&secret, "partition-test-deployment-secret").unwrap();
-    let secret = secret.to_str().unwrap();
     let producer_cfg = format!(
         r#"{{"kv_connector":"NixlConnector","kv_role":"kv_producer","enable_kv_checksum":true,"kv_connector_extra_config":{{"side_channel_host":"{PRODUCER_ADDR}","kv_lease_duration":3}}}}"#
     );
     let consumer_cfg = r#"{"kv_connector":"NixlConnector","kv_role":"kv_consumer","enable_kv_checksum":true,"kv_checksum_fail_closed":true,"kv_load_failure_policy":"recompute","kv_connector_extra_config":{"load_timeout":3,"handshake_timeout":2}}"#;
-    let (producer, consumer) = start_pair(&hosts, &producer_cfg, consumer_cfg, secret);
-    let proxy = Server::start(
-        "proxy",
-        &["--prefill", &producer.base, "--decode", &consumer.base],
-        &[],
-    );
+    let (producer, consumer, proxy, _secret_dir) =
+        start_deployment(&hosts, &producer_cfg, consumer_cfg);
     let single = Server::serve(&[]);
     let prompts = [
         "The capital of France is",

@@ -276,14 +276,7 @@ async fn decode_dying_mid_stream_ends_the_sse_with_an_error_event_then_done() {
     assert_eq!(events[3], "data: [DONE]");
     proxy.assert_idle().await;
 
-    let metrics = client()
-        .get(format!("{}/metrics", proxy.url))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = proxy.metrics_text().await;
     assert!(
         metrics.contains(
             r#"tandem:proxy_requests_total{route="completions",outcome="decode_failed_mid_stream"}"#

@@ -449,14 +449,7 @@ async fn client_disconnect_closes_the_decode_connection() {
     .await;
     assert_eq!(d.state.streams_completed.load(SeqCst), 0);
     proxy.assert_idle().await;
-    let metrics = client()
-        .get(format!("{}/metrics", proxy.url))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = proxy.metrics_text().await;
     assert!(
         metrics.contains(
             r#"tandem:proxy_requests_total{route="chat_completions",outcome="client_disconnected"}"#
@@ -530,14 +523,7 @@ async fn metrics_count_requests_and_outstanding_returns_to_zero() {
         .await;
     response.text().await.unwrap();
     proxy.assert_idle().await;
-    let metrics = client()
-        .get(format!("{}/metrics", proxy.url))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = proxy.metrics_text().await;
     for line in [
         format!(
             r#"tandem:proxy_upstream_outstanding{{role="decode",instance="{}"}} 0"#,

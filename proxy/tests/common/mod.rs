@@ -379,6 +379,18 @@ impl Proxy {
             .unwrap()
     }
 
+    /// The proxy's `/metrics` text.
+    pub async fn metrics_text(&self) -> String {
+        client()
+            .get(format!("{}/metrics", self.url))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    }
+
     /// Waits until no request is in flight on any instance; fails the test after 5 s.
     pub async fn assert_idle(&self) {
         wait_until("every outstanding counter back to zero", || {

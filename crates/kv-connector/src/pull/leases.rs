@@ -113,7 +113,8 @@ impl LeaseTable {
         remote_request_id: &str,
         block_ids: &[BlockId],
     ) -> Result<(), KvConnectorError> {
-        let mut inner = self.lock();
+        let mut guard = self.lock();
+        let inner = &mut *guard;
         let Some(lease) = inner.leases.get_mut(remote_request_id) else {
             return Err(refused(format!(
                 "no live lease {remote_request_id:?} on this producer (it ended, expired, or \
@@ -137,12 +138,13 @@ impl LeaseTable {
             )));
         }
         lease.claimed = true;
-        let (blocks, num_tokens) = (lease.block_ids.clone(), lease.num_tokens);
         if let Some((storage, fault, rng)) = inner.source_fault.as_mut() {
             if rng.hit(fault.probability) {
                 // SAFETY: the lease holds these blocks and its consumer has not read yet (it
                 // waits for this answer): nothing reads or writes them during the call.
-                if let Some(what) = unsafe { corrupt_source(storage, &blocks, num_tokens, rng) } {
+                let what =
+                    unsafe { corrupt_source(storage, &lease.block_ids, lease.num_tokens, rng) };
+                if let Some(what) = what {
                     tracing::warn!(
                         remote_request_id,
                         "transport fault injected (corrupt_source, \

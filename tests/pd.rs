@@ -418,3 +418,44 @@ async fn secret_and_api_keys_through_the_proxy() {
     );
     common::wait_all_free(&[&producer, &decode]).await;
 }
+
+/// A request whose prompt leaves no room for its `max_tokens` is refused before any prefill:
+/// the proxy passes the output limit to the producer (`decode_max_tokens`), which answers the
+/// decode instance's own 400 without running the model.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_without_room_to_decode_costs_no_prefill() {
+    let producer = Server::serve(&["--kv-transfer-config", PRODUCER, "--max-model-len", "64"]);
+    let cfg = consumer("fail");
+    let decode = Server::serve(&["--kv-transfer-config", &cfg, "--max-model-len", "64"]);
+    let proxy = Server::start(
+        "proxy",
+        &["--prefill", &producer.base, "--decode", &decode.base],
+        &[],
+    );
+    let (st, v) = post(
+        &proxy.base,
+        "/v1/completions",
+        &json!({"prompt": PROMPTS[1], "max_tokens": 100}),
+    )
+    .await;
+    assert_eq!(st, 400, "{v}");
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(msg.contains("maximum context length is 64"), "{msg}");
+    assert_eq!(
+        producer
+            .metric("tandem:prompt_tokens_total", &[])
+            .await
+            .unwrap_or(0.0),
+        0.0,
+        "nothing was prefilled"
+    );
+    // Within the limit, the same prompt is served.
+    let (st, v) = post(
+        &proxy.base,
+        "/v1/completions",
+        &json!({"prompt": PROMPTS[1], "max_tokens": 8}),
+    )
+    .await;
+    assert_eq!(st, 200, "{v}");
+    common::wait_all_free(&[&producer, &decode]).await;
+}

@@ -2,7 +2,9 @@
 //! reading `kv_transfer_params` from the prefill answer.
 //!
 //! Invariants: a client's `kv_transfer_params` never reaches an upstream (it is removed on parse);
-//! the prefill copy asks for exactly one token, not streamed, with `{"do_remote_decode": true};
+//! the prefill copy asks for exactly one token, not streamed, with `{"do_remote_decode": true}`
+//! (plus `decode_max_tokens`, the client's output limit, when it set one, which the producer
+//! checks against the prompt before prefilling);
 //! the decode body is the client's body unchanged except for the producer's `kv_transfer_params`,
 //! which are forwarded as the producer wrote them (every key, known or not). What can be checked
 //! without the model (`validate_client_body`: the token limits) is checked before any upstream
@@ -77,12 +79,21 @@ pub(crate) fn prefill_body(client: &ClientBody) -> ClientBody {
     }
     body.remove("best_of");
     body.remove("min_tokens");
-    body.insert(
-        KV_TRANSFER_PARAMS.into(),
-        json!({ "do_remote_decode": true }),
-    );
+    // The producer checks the prompt against the decode's output limit before it prefills, so a
+    // request the decode instance would refuse costs no prefill.
+    let mut params = json!({ "do_remote_decode": true });
+    let limit = ["max_completion_tokens", "max_tokens"]
+        .iter()
+        .find_map(|k| client.get(*k).filter(|v| !v.is_null()));
+    if let Some(n) = limit {
+        params[DECODE_MAX_TOKENS] = n.clone();
+    }
+    body.insert(KV_TRANSFER_PARAMS.into(), params);
     body
 }
+
+/// The `kv_transfer_params` key of a prefill copy that carries the client's output limit.
+pub(crate) const DECODE_MAX_TOKENS: &str = "decode_max_tokens";
 
 /// The body sent to the decode instance: the client's request with the producer's
 /// `kv_transfer_params`.
@@ -186,7 +197,7 @@ mod tests {
             json!({
                 "model": "m", "messages": [], "stream": false, "max_tokens": 1,
                 "max_completion_tokens": 1, "n": 1, "temperature": 0.0,
-                "kv_transfer_params": {"do_remote_decode": true}
+                "kv_transfer_params": {"do_remote_decode": true, "decode_max_tokens": 50}
             })
         );
         let bare = Value::Object(prefill_body(&obj(json!({"prompt": "x"}))));

@@ -43,9 +43,10 @@ async fn prefill_gets_one_token_copy_and_decode_gets_producer_params() {
     obj.remove("stream_options");
     obj.insert("max_tokens".into(), json!(1));
     obj.insert("stream".into(), json!(false));
+    // The client's output limit rides along, for the producer to check the prompt against.
     obj.insert(
         "kv_transfer_params".into(),
-        json!({"do_remote_decode": true}),
+        json!({"do_remote_decode": true, "decode_max_tokens": 20}),
     );
     assert_eq!(prefill[0].body, expected_prefill);
 

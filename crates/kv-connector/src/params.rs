@@ -4,6 +4,8 @@
 //! is one of:
 //! - absent, `null`, `{}`, or both flags false: an ordinary local request;
 //! - `{"do_remote_decode": true}`: a producer request (prefill here, keep the KV for a consumer);
+//!   the proxy adds `decode_max_tokens` (the client's output limit), which the server checks
+//!   against the prompt before the request reaches the engine;
 //! - `{"do_remote_prefill": true, "remote_engine_id", "remote_request_id", "remote_block_ids",
 //!   "remote_host", "remote_port", "tp_size"}`: a consumer request (load the prompt's KV from the
 //!   producer, then decode). This is exactly what the producer answered ([`RemotePrefill::to_value`]).

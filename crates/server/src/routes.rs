@@ -189,6 +189,7 @@ fn sampling_params(
             ));
         }
     }
+    check_decode_room(state, c, prompt_len)?;
     let max_tokens = match max_tokens {
         Some(m) => m,
         None => state.max_model_len.saturating_sub(prompt_len).max(1),
@@ -207,6 +208,43 @@ fn sampling_params(
         logprobs,
         skip_special_tokens: c.skip_special_tokens.unwrap_or(true),
     })
+}
+
+/// A producer request (`do_remote_decode`) carrying the decode's output limit
+/// (`decode_max_tokens`, set by the proxy) is refused here, before any prefill, when the prompt
+/// leaves no room for it: the decode instance (same model, same limits) would refuse it anyway.
+fn check_decode_room(
+    state: &AppState,
+    c: &CommonParams,
+    prompt_len: usize,
+) -> Result<(), ApiError> {
+    let Some(params) = c.kv_transfer_params.as_ref().and_then(|p| p.as_object()) else {
+        return Ok(());
+    };
+    if params.get("do_remote_decode") != Some(&serde_json::Value::Bool(true)) {
+        return Ok(());
+    }
+    let Some(limit) = params.get("decode_max_tokens").filter(|v| !v.is_null()) else {
+        return Ok(());
+    };
+    let n = limit.as_u64().filter(|&n| n >= 1).ok_or_else(|| {
+        ApiError::bad_request(
+            Some("kv_transfer_params"),
+            format!("decode_max_tokens must be an integer of at least 1, got {limit}"),
+        )
+    })?;
+    let requested = (prompt_len as u64).saturating_add(n);
+    if requested > state.max_model_len as u64 {
+        return Err(ApiError::Engine(
+            tandem_engine::EngineError::ContextLengthExceeded {
+                max_model_len: state.max_model_len,
+                requested: usize::try_from(requested).unwrap_or(usize::MAX),
+                prompt: prompt_len,
+                max_tokens: usize::try_from(n).unwrap_or(usize::MAX),
+            },
+        ));
+    }
+    Ok(())
 }
 
 fn check_n(c: &CommonParams) -> Result<usize, ApiError> {

@@ -28,6 +28,11 @@ pub const KV_TRANSFER_SECONDS: &str = "tandem:kv_transfer_seconds";
 pub const KV_TRANSFER_FAILURES_TOTAL: &str = "tandem:kv_transfer_failures_total";
 pub const KV_LEASE_EXPIRED_TOTAL: &str = "tandem:kv_lease_expired_total";
 pub const KV_LOAD_FAILURES_TOTAL: &str = "tandem:kv_load_failures_total";
+/// Prompt tokens a consumer computes again after failed loads (policy `recompute`), and the
+/// prompt lengths of those loads: their ratio is the share of prompts recomputed.
+pub const KV_LOAD_RECOMPUTED_TOKENS_TOTAL: &str = "tandem:kv_load_recomputed_tokens_total";
+pub const KV_LOAD_RECOMPUTE_PROMPT_TOKENS_TOTAL: &str =
+    "tandem:kv_load_recompute_prompt_tokens_total";
 /// Label `reason`: `signature`, `expired`, `producer_not_allowed`, `lease`, `peer_auth`.
 pub const KV_TRANSFER_REFUSED_TOTAL: &str = "tandem:kv_transfer_refused_total";
 
@@ -117,6 +122,15 @@ pub fn describe() {
     describe_counter!(
         KV_LOAD_FAILURES_TOTAL,
         "KV loads that failed, by the policy applied."
+    );
+    describe_counter!(
+        KV_LOAD_RECOMPUTED_TOKENS_TOTAL,
+        "Prompt tokens computed locally again after failed KV loads (from the first bad block \
+         when the checksums localize the damage)."
+    );
+    describe_counter!(
+        KV_LOAD_RECOMPUTE_PROMPT_TOKENS_TOTAL,
+        "Prompt tokens of the requests whose failed KV loads were recomputed."
     );
     describe_counter!(KV_CHECKSUM_LOADS_TOTAL, "Checked KV loads, by verdict.");
     describe_counter!(

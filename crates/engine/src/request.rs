@@ -82,6 +82,9 @@ pub struct Request {
     pub sink: tokio::sync::mpsc::UnboundedSender<RequestEvent>,
     /// Whether the worker has seen this request (its sampler exists).
     pub sent_to_worker: bool,
+    /// Its KV load failed and it waits to recompute locally: the next admission counts the
+    /// tokens it computes again.
+    pub recomputing_failed_load: bool,
 }
 
 impl Request {
@@ -115,6 +118,7 @@ impl Request {
             detokenizer,
             sink,
             sent_to_worker: false,
+            recomputing_failed_load: false,
         }
     }
 

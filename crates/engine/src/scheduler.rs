@@ -13,7 +13,8 @@
 //! unanswered, in `awaiting_checksums` (at most the send timeout), and its answer's
 //! `kv_transfer_params` carry the checksums. A load's blocks go to the workers when it starts;
 //! its verdict comes before the request is queued again, and under fail-closed a bad load takes
-//! the same path as a load the connector reported failed.
+//! the same path as a load the connector reported failed. Policy `recompute` resumes a bad load
+//! after its verified blocks when the damage is localized (see `finish_remote_load`).
 //!
 //! Invariants (checked by the lifecycle tests): every request is in exactly one of `waiting`,
 //! `running`, `remote_waiting`, `awaiting_checksums`, or (finished, blocks held for the connector
@@ -70,6 +71,10 @@ pub struct SchedulerConfig {
     /// Most prompt tokens of one request per step (0: no limit beyond the budget).
     pub long_prefill_token_threshold: usize,
     pub kv_load_failure_policy: KvLoadFailurePolicy,
+    /// Under [`KvLoadFailurePolicy::Recompute`]: a failed load whose damage is localized (a
+    /// checksum mismatch, or blocks the connector names invalid) keeps its verified blocks and
+    /// resumes from the first bad one; otherwise the whole prompt is recomputed.
+    pub kv_partial_recompute: bool,
 }
 
 impl Default for SchedulerConfig {
@@ -81,6 +86,7 @@ impl Default for SchedulerConfig {
             enable_chunked_prefill: true,
             long_prefill_token_threshold: 0,
             kv_load_failure_policy: KvLoadFailurePolicy::Recompute,
+            kv_partial_recompute: true,
         }
     }
 }
@@ -405,7 +411,8 @@ impl Scheduler {
                 break;
             };
             let req = &self.requests[&id];
-            // A request holds blocks here only after its remote load completed.
+            // A request holds blocks here only after its remote load completed (or failed
+            // and keeps its verified blocks: it resumes after them).
             let fresh = self.kv.block_table(id).is_empty();
             let prefix = if fresh {
                 self.kv.find_cached_prefix(&req.all_token_ids, &[])
@@ -487,6 +494,12 @@ impl Scheduler {
             req.num_computed_tokens = local_computed;
             if req.num_cached_tokens.is_none() {
                 req.num_cached_tokens = Some(prefix.num_tokens);
+            }
+            if std::mem::take(&mut req.recomputing_failed_load) {
+                let prompt = req.num_tokens() as u64;
+                metrics::counter!(m::KV_LOAD_RECOMPUTED_TOKENS_TOTAL)
+                    .increment(prompt - local_computed as u64);
+                metrics::counter!(m::KV_LOAD_RECOMPUTE_PROMPT_TOKENS_TOTAL).increment(prompt);
             }
             req.status = RequestStatus::Running;
             let table = self.kv.block_table(id).to_vec();
@@ -701,6 +714,12 @@ impl Scheduler {
     /// A request's remote load ended: accept its blocks, or apply the failure policy. The
     /// connector's failures come first (such a load is not compared); then, if the load is
     /// checksummed, its verdict, which under fail-closed can fail it too.
+    ///
+    /// Recompute keeps what is known good when the damage is localized: blocks before the first
+    /// block the connector names invalid, or before the first block whose checksum differs
+    /// ([`LoadCheck::Reject::verified_tokens`]). The request resumes there; the later blocks stay
+    /// its own and are overwritten by the local prefill before they are prefix-cached. A failure
+    /// that names no blocks, or an unverified load, recomputes the whole prompt.
     fn finish_remote_load(
         &mut self,
         id: u64,
@@ -711,13 +730,23 @@ impl Scheduler {
             return;
         };
         let table = self.kv.block_table(id).to_vec();
-        let mut bad = failure.is_some() || table.iter().any(|b| invalid_blocks.contains(b));
+        let first_invalid = table.iter().position(|b| invalid_blocks.contains(b));
+        let mut bad = failure.is_some() || first_invalid.is_some();
+        let mut verified_tokens = match failure {
+            None => first_invalid.map(|i| i * self.kv.block_size()),
+            Some(_) => None,
+        };
         if let Some(t) = self.checksums.as_mut() {
             if bad {
                 t.forget_load(id);
-            } else if let Some(LoadCheck::Reject(reason)) = t.verify_load(id, &req.external_id) {
+            } else if let Some(LoadCheck::Reject {
+                reason,
+                verified_tokens: v,
+            }) = t.verify_load(id, &req.external_id)
+            {
                 bad = true;
                 failure = Some(reason);
+                verified_tokens = v;
             }
         }
         if !bad {
@@ -735,9 +764,9 @@ impl Scheduler {
         let policy = self.config.kv_load_failure_policy;
         let reason = failure.unwrap_or_else(|| "loaded blocks are invalid".into());
         metrics::counter!(m::KV_LOAD_FAILURES_TOTAL, "policy" => policy.as_str()).increment(1);
-        tracing::warn!(request = %req.external_id, policy = policy.as_str(), "KV load failed: {reason}");
         match policy {
             KvLoadFailurePolicy::Fail => {
+                tracing::warn!(request = %req.external_id, policy = policy.as_str(), "KV load failed: {reason}");
                 self.kv.uncache_blocks(&table);
                 self.finish_request(
                     id,
@@ -746,13 +775,40 @@ impl Scheduler {
                 );
             }
             KvLoadFailurePolicy::Recompute => {
-                // Every block is dropped, the remote source forgotten: the next schedule looks
-                // the prompt up in the local prefix cache again and computes the rest.
-                req.num_computed_tokens = 0;
+                // The remote source is forgotten either way; what is kept is verified.
+                let keep = verified_tokens
+                    .filter(|_| self.config.kv_partial_recompute)
+                    .map(|t| t.min(req.num_tokens() - 1))
+                    .filter(|&t| t > 0);
                 req.num_external_tokens = 0;
                 req.kv_transfer_params = None;
                 req.status = RequestStatus::Waiting;
-                self.kv.free(id);
+                req.recomputing_failed_load = true;
+                match keep {
+                    Some(t) => {
+                        tracing::warn!(
+                            request = %req.external_id,
+                            policy = policy.as_str(),
+                            "KV load failed: {reason}; keeping the {t} verified tokens, \
+                             recomputing tokens [{t}, {})",
+                            req.num_tokens()
+                        );
+                        // The next schedule sees blocks in the table and resumes at `t`.
+                        req.num_computed_tokens = t;
+                        self.kv.cache_full_blocks(id, &req.all_token_ids, t, &[]);
+                    }
+                    None => {
+                        tracing::warn!(
+                            request = %req.external_id,
+                            policy = policy.as_str(),
+                            "KV load failed: {reason}; recomputing the whole prompt"
+                        );
+                        // Every block is dropped: the next schedule looks the prompt up in the
+                        // local prefix cache again and computes the rest.
+                        req.num_computed_tokens = 0;
+                        self.kv.free(id);
+                    }
+                }
                 self.waiting.push_front(id);
             }
         }

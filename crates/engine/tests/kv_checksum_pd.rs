@@ -659,6 +659,7 @@ impl Setup {
             kind,
             probability: 1.0,
             seed: 11,
+            block_position: None,
         });
         self
     }
@@ -1573,6 +1574,7 @@ fn fault_injection_fires_with_its_probability_and_seed() {
                 kind: FaultKind::CorruptByte,
                 probability: 0.5,
                 seed,
+                block_position: None,
             });
             let mut c = Instance::new("c", &cs, &fabric);
             for i in 0..12 {

@@ -476,6 +476,17 @@ fn complete_loads(
     prompts: &HashMap<u64, Vec<u32>>,
     fail: &HashSet<u64>,
 ) {
+    complete_loads_naming_invalid(h, c, prompts, fail, &HashSet::new());
+}
+
+/// [`complete_loads`], writing garbage into the blocks `invalid` and naming them invalid.
+fn complete_loads_naming_invalid(
+    h: &mut Harness,
+    c: &TestConnector,
+    prompts: &HashMap<u64, Vec<u32>>,
+    fail: &HashSet<u64>,
+    invalid: &HashSet<BlockId>,
+) {
     let loads = std::mem::take(&mut c.state.lock().unwrap().loads);
     let mut out = ConnectorOutput::default();
     for (id, blocks, _n) in loads {
@@ -483,12 +494,16 @@ fn complete_loads(
             out.failed_recving.insert(id, "peer went away".into());
         } else {
             for (pos, &t) in prompts[&id].iter().enumerate() {
-                let slot = blocks[pos / BLOCK] as usize * BLOCK + pos % BLOCK;
-                h.worker.slots.insert(slot, t);
+                let block = blocks[pos / BLOCK];
+                let t = if invalid.contains(&block) { 7 } else { t };
+                h.worker
+                    .slots
+                    .insert(block as usize * BLOCK + pos % BLOCK, t);
             }
         }
         out.finished_recving.insert(id);
     }
+    out.invalid_block_ids = invalid.clone();
     let step = h.sched.schedule();
     let mut w = h.worker.execute(&step).unwrap();
     w.connector_output = out;
@@ -580,6 +595,46 @@ fn failed_load_follows_the_policy() {
                 assert_eq!(toks, solo(&p, greedy(4)), "recomputed locally");
             }
         }
+        h.assert_empty();
+    }
+}
+
+/// A load whose connector names invalid blocks (and reports no failure): under recompute the
+/// request keeps the blocks before the first invalid one and computes only from there; the
+/// invalid block's garbage never reaches the output; with partial recompute off it computes all.
+#[test]
+fn invalid_blocks_resume_the_request_at_the_first_of_them() {
+    let n = 21;
+    for (partial, bad_position, want_step) in [
+        (true, 2usize, n - 2 * BLOCK),
+        (true, 0, n),
+        (true, 5, n - 5 * BLOCK),
+        (false, 2, n),
+    ] {
+        let c = TestConnector::default();
+        let config = SchedulerConfig {
+            kv_partial_recompute: partial,
+            ..Default::default()
+        };
+        let mut h = Harness::with_connector(config, 32, Box::new(c.clone()));
+        let p = prompt(13, n);
+        let id = h.add_with(p.clone(), greedy(4), Some(json!({"remote": n})));
+        h.step();
+        let bad = c.state.lock().unwrap().loads[0].1[bad_position];
+        complete_loads_naming_invalid(
+            &mut h,
+            &c,
+            &HashMap::from([(id, p.clone())]),
+            &HashSet::new(),
+            &HashSet::from([bad]),
+        );
+        h.step();
+        let case = format!("partial {partial}, invalid block at position {bad_position}");
+        assert_eq!(h.worker.step_tokens.last(), Some(&want_step), "{case}");
+        h.run();
+        let (toks, _, fin) = h.collect(id);
+        assert_eq!(fin.finish, Some(FinishReason::Length), "{case}");
+        assert_eq!(toks, solo(&p, greedy(4)), "{case}");
         h.assert_empty();
     }
 }

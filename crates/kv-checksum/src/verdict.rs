@@ -103,6 +103,10 @@ pub struct GroupMismatch {
     pub block_positions: Vec<usize>,
     /// Replica checks that differ (0 when the group is not replicated).
     pub replica_checks: Vec<usize>,
+    /// The end of the load's verified prefix, a consumer block position: every consumer block
+    /// from the load's first one up to (not including) this one lies in chunks that were
+    /// compared, for every check, and equal. The blocks from here on are not known to be good.
+    pub verified_prefix_end: usize,
 }
 
 /// The outcome of checking one load.
@@ -192,10 +196,11 @@ pub fn compare(expected: &Payload, loaded: &MergedChecksums) -> Verdict {
         };
         match result {
             Ok(None) => verified.push(g.group_id),
-            Ok(Some((block_positions, replica_checks))) => mismatched.push(GroupMismatch {
+            Ok(Some(m)) => mismatched.push(GroupMismatch {
                 group_id: g.group_id,
-                block_positions,
-                replica_checks,
+                block_positions: m.block_positions,
+                replica_checks: m.replica_checks,
+                verified_prefix_end: m.verified_prefix_end,
             }),
             Err(r) => unverified.push((g.group_id, r)),
         }
@@ -262,9 +267,16 @@ impl Side<'_> {
     }
 }
 
-type GroupResult = Result<Option<(Vec<usize>, Vec<usize>)>, UnverifiedReason>;
+/// A group's mismatch, before it is labelled with its group id.
+struct Mismatched {
+    block_positions: Vec<usize>,
+    replica_checks: Vec<usize>,
+    verified_prefix_end: usize,
+}
 
-/// `Ok(None)`: verified; `Ok(Some((positions, checks)))`: mismatch; `Err`: unverified.
+type GroupResult = Result<Option<Mismatched>, UnverifiedReason>;
+
+/// `Ok(None)`: verified; `Ok(Some(_))`: mismatch; `Err`: unverified.
 fn compare_group(p: &PayloadGroup, p_num_tokens: usize, c: &GroupChecks) -> GroupResult {
     if p.fingerprint != c.fingerprint {
         return Err(UnverifiedReason::FingerprintDiffers);
@@ -291,6 +303,8 @@ fn compare_group(p: &PayloadGroup, p_num_tokens: usize, c: &GroupChecks) -> Grou
     let mut bad_checks = Vec::new();
     let mut compared = false;
     let rc = chunk / bc;
+    // The first chunk not known to be good, over every check.
+    let mut prefix_end_chunk = usize::MAX;
     for (k, check) in c.checks.iter().enumerate() {
         let consumer = Side {
             block_size: bc,
@@ -300,6 +314,8 @@ fn compare_group(p: &PayloadGroup, p_num_tokens: usize, c: &GroupChecks) -> Grou
             values: check,
         };
         let (pr, cr) = (producer.chunk_range(chunk), consumer.chunk_range(chunk));
+        // This check's verified prefix: consecutive chunks from the load's first, compared equal.
+        let mut good_until = cr.start;
         for q in pr.start.max(cr.start)..pr.end.min(cr.end) {
             let tokens = consumer.tokens_in(q, chunk);
             if tokens == 0 || tokens != producer.tokens_in(q, chunk) {
@@ -311,6 +327,9 @@ fn compare_group(p: &PayloadGroup, p_num_tokens: usize, c: &GroupChecks) -> Grou
                 continue;
             };
             compared = true;
+            if want == got && q == good_until {
+                good_until = q + 1;
+            }
             if want != got {
                 if !bad_checks.contains(&k) {
                     bad_checks.push(k);
@@ -319,6 +338,7 @@ fn compare_group(p: &PayloadGroup, p_num_tokens: usize, c: &GroupChecks) -> Grou
                 positions.extend((q * rc).max(c.start)..((q + 1) * rc).min(end));
             }
         }
+        prefix_end_chunk = prefix_end_chunk.min(good_until);
     }
     if !compared {
         return Err(UnverifiedReason::NoCommonPosition);
@@ -328,6 +348,14 @@ fn compare_group(p: &PayloadGroup, p_num_tokens: usize, c: &GroupChecks) -> Grou
     } else {
         positions.sort_unstable();
         positions.dedup();
-        Ok(Some((positions, bad_checks)))
+        // In consumer blocks, never past the first mismatched one.
+        let verified_prefix_end = prefix_end_chunk
+            .saturating_mul(rc)
+            .clamp(c.start, positions[0].max(c.start));
+        Ok(Some(Mismatched {
+            block_positions: positions,
+            replica_checks: bad_checks,
+            verified_prefix_end,
+        }))
     }
 }

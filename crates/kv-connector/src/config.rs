@@ -12,6 +12,7 @@
 //! | `kv_role` | `"kv_producer"`, `"kv_consumer"`, `"kv_both"` | required |
 //! | `engine_id` | non-empty string, at most 128 bytes | a random UUID (v4) |
 //! | `kv_load_failure_policy` | `"fail"`, `"recompute"` | `"recompute"` |
+//! | `kv_partial_recompute` | bool: under `"recompute"`, a load whose checksums localize the damage keeps its verified blocks and recomputes from the first bad one | `true` |
 //! | `enable_kv_checksum` | bool | `false` |
 //! | `kv_checksum_fail_closed` | bool | `false` |
 //! | `kv_fault_injection` | object (kept as JSON for the fault-injecting connector) | none |
@@ -60,11 +61,12 @@ pub const MAX_DURATION: Duration = Duration::from_secs(24 * 3600);
 /// Longest `engine_id`; it travels in every `kv_transfer_params`.
 pub const MAX_ENGINE_ID_LEN: usize = 128;
 
-const TOP_KEYS: [&str; 8] = [
+const TOP_KEYS: [&str; 9] = [
     "kv_connector",
     "kv_role",
     "engine_id",
     "kv_load_failure_policy",
+    "kv_partial_recompute",
     "kv_connector_extra_config",
     "enable_kv_checksum",
     "kv_checksum_fail_closed",
@@ -203,6 +205,9 @@ pub struct KvTransferConfig {
     pub kv_role: KvRole,
     pub engine_id: String,
     pub kv_load_failure_policy: LoadFailurePolicy,
+    /// Under [`LoadFailurePolicy::Recompute`]: keep a failed load's verified blocks and recompute
+    /// from the first bad one (else the whole prompt).
+    pub kv_partial_recompute: bool,
     pub kv_connector_extra_config: NixlExtraConfig,
     pub enable_kv_checksum: bool,
     pub kv_checksum_fail_closed: bool,
@@ -383,6 +388,7 @@ impl KvTransferConfig {
             kv_role,
             engine_id,
             kv_load_failure_policy,
+            kv_partial_recompute: get_bool(obj, "kv_partial_recompute")?.unwrap_or(true),
             kv_connector_extra_config,
             enable_kv_checksum: get_bool(obj, "enable_kv_checksum")?.unwrap_or(false),
             kv_checksum_fail_closed: get_bool(obj, "kv_checksum_fail_closed")?.unwrap_or(false),
@@ -423,6 +429,7 @@ impl KvTransferConfig {
             "kv_role": self.kv_role.as_str(),
             "engine_id": self.engine_id,
             "kv_load_failure_policy": self.kv_load_failure_policy.as_str(),
+            "kv_partial_recompute": self.kv_partial_recompute,
             "kv_connector_extra_config": extra,
             "enable_kv_checksum": self.enable_kv_checksum,
             "kv_checksum_fail_closed": self.kv_checksum_fail_closed,
@@ -558,6 +565,7 @@ mod tests {
         assert_eq!(x.handshake_timeout, Duration::from_secs(5));
         assert!(!c.enable_kv_checksum && !c.kv_checksum_fail_closed);
         assert!(c.kv_fault_injection.is_none());
+        assert!(c.kv_partial_recompute);
         assert!(c.progress_thread());
         // Two configs without engine_id get different ids.
         let d = KvTransferConfig::parse(r#"{"kv_connector":"NixlConnector","kv_role":"kv_both"}"#)
@@ -570,6 +578,7 @@ mod tests {
         let c = KvTransferConfig::parse(
             r#"{"kv_connector":"NixlConnector","kv_role":"kv_consumer","engine_id":"d0",
                 "kv_load_failure_policy":"fail","enable_kv_checksum":true,
+                "kv_partial_recompute":false,
                 "kv_checksum_fail_closed":true,"kv_fault_injection":{"drop":0.5},
                 "kv_connector_extra_config":{"side_channel_host":"10.1.2.3",
                   "kv_lease_duration":2.5,"load_timeout":7,"handshake_timeout":1,
@@ -579,6 +588,7 @@ mod tests {
         assert_eq!(c.engine_id, "d0");
         assert_eq!(c.kv_role, KvRole::Consumer);
         assert_eq!(c.kv_load_failure_policy, LoadFailurePolicy::Fail);
+        assert!(!c.kv_partial_recompute);
         assert!(c.enable_kv_checksum && c.kv_checksum_fail_closed);
         assert_eq!(c.kv_fault_injection, Some(serde_json::json!({"drop": 0.5})));
         let x = &c.kv_connector_extra_config;

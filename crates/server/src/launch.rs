@@ -195,6 +195,7 @@ pub fn build_instance(
         enable_chunked_prefill: args.enable_chunked_prefill,
         long_prefill_token_threshold: args.long_prefill_token_threshold,
         kv_load_failure_policy: policy,
+        kv_partial_recompute: transfer.as_ref().is_none_or(|t| t.kv_partial_recompute),
     };
     if !args.enable_chunked_prefill && args.max_num_batched_tokens < max_model_len {
         bail!(

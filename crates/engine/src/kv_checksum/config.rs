@@ -125,8 +125,11 @@ fn one() -> f64 {
     1.0
 }
 
-/// `kv_fault_injection`: `{"kind": …, "probability": p, "seed": s}`; each load gets the fault
-/// with probability `p` (default 1), drawn from an RNG seeded with `s` (default 0).
+/// `kv_fault_injection`: `{"kind": …, "probability": p, "seed": s, "block_position": b}`; each
+/// load gets the fault with probability `p` (default 1), drawn from an RNG seeded with `s`
+/// (default 0). `block_position` (`corrupt_byte` only) puts the byte in the request's block `b`
+/// (counted from the prompt's first block) instead of a random loaded block; a load that does
+/// not hold block `b` is left alone.
 #[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FaultInjection {
@@ -135,6 +138,8 @@ pub struct FaultInjection {
     pub probability: f64,
     #[serde(default)]
     pub seed: u64,
+    #[serde(default)]
+    pub block_position: Option<usize>,
 }
 
 impl FaultInjection {
@@ -144,13 +149,20 @@ impl FaultInjection {
             EngineError::InvalidConfig(format!(
                 "kv_fault_injection: {e} (expected {{\"kind\": \"corrupt_byte\" | \"swap_blocks\" | \
                  \"stale_blocks\" | \"drop_checksums\" | \"malform_checksums\", \"probability\": p, \
-                 \"seed\": s}})"
+                 \"seed\": s, \"block_position\": b}})"
             ))
         })?;
         if !(0.0..=1.0).contains(&f.probability) {
             return Err(EngineError::InvalidConfig(format!(
                 "kv_fault_injection: probability {} is not in [0, 1]",
                 f.probability
+            )));
+        }
+        if f.block_position.is_some() && f.kind != FaultKind::CorruptByte {
+            return Err(EngineError::InvalidConfig(format!(
+                "kv_fault_injection: block_position applies to kind \"corrupt_byte\" only, not \
+                 {:?}",
+                f.kind.as_str()
             )));
         }
         Ok(f)
@@ -163,6 +175,8 @@ pub struct BlockFault {
     pub kind: FaultKind,
     /// Seeds the worker's choice of block, layer, token and byte.
     pub seed: u64,
+    /// The block position to corrupt, instead of a random one.
+    pub block_position: Option<usize>,
 }
 
 #[cfg(test)]
@@ -181,9 +195,13 @@ mod tests {
             FaultInjection {
                 kind: FaultKind::CorruptByte,
                 probability: 0.5,
-                seed: 7
+                seed: 7,
+                block_position: None,
             }
         );
+        let f = FaultInjection::from_json(&json!({"kind": "corrupt_byte", "block_position": 3}))
+            .unwrap();
+        assert_eq!(f.block_position, Some(3));
         let f = FaultInjection::from_json(&json!({"kind": "stale_blocks"})).unwrap();
         assert_eq!((f.probability, f.seed), (1.0, 0));
         for bad in [
@@ -191,6 +209,8 @@ mod tests {
             json!({"probability": 1.0}),
             json!({"kind": "swap_blocks", "probability": 1.5}),
             json!({"kind": "swap_blocks", "probablity": 0.5}),
+            json!({"kind": "swap_blocks", "block_position": 1}),
+            json!({"kind": "corrupt_byte", "block_position": -1}),
             json!([1]),
         ] {
             let e = FaultInjection::from_json(&bad).unwrap_err();

@@ -43,14 +43,20 @@ pub unsafe fn inject(
         return None;
     }
     match fault.kind {
-        FaultKind::CorruptByte => corrupt_byte(storage, &groups, blocks.num_tokens, &mut rng),
+        FaultKind::CorruptByte => corrupt_byte(
+            storage,
+            &groups,
+            blocks.num_tokens,
+            fault.block_position,
+            &mut rng,
+        ),
         FaultKind::SwapBlocks => {
             let two: Vec<_> = groups
                 .iter()
                 .filter(|(g, _)| g.block_ids.len() >= 2)
                 .collect();
             if two.is_empty() {
-                return corrupt_byte(storage, &groups, blocks.num_tokens, &mut rng)
+                return corrupt_byte(storage, &groups, blocks.num_tokens, None, &mut rng)
                     .map(|d| format!("{d} (one block: nothing to swap)"));
             }
             let (g, layers) = two[rng.below(two.len())];
@@ -107,14 +113,27 @@ pub unsafe fn inject(
     }
 }
 
+/// Flips one bit of a covered slot: in block position `at` of a group that loaded it, or in a
+/// random loaded block.
 fn corrupt_byte(
     storage: &KvStorage,
     groups: &[(&ScheduledGroup, Vec<usize>)],
     num_tokens: usize,
+    at: Option<usize>,
     rng: &mut SplitMix,
 ) -> Option<String> {
-    let (g, layers) = &groups[rng.below(groups.len())];
-    let j = rng.below(g.block_ids.len());
+    let (g, layers, j) = match at {
+        None => {
+            let (g, layers) = &groups[rng.below(groups.len())];
+            (g, layers, rng.below(g.block_ids.len()))
+        }
+        Some(pos) => {
+            let (g, layers) = groups
+                .iter()
+                .find(|(g, _)| (g.start..g.start + g.block_ids.len()).contains(&pos))?;
+            (g, layers, pos - g.start)
+        }
+    };
     let block = g.block_ids[j];
     let pos = g.start + j;
     let bs = g.block_size;
@@ -210,7 +229,17 @@ mod tests {
                     blocks: &table,
                 }],
             );
-            let what = unsafe { inject(&s, &req, BlockFault { kind, seed: 3 }) };
+            let what = unsafe {
+                inject(
+                    &s,
+                    &req,
+                    BlockFault {
+                        kind,
+                        seed: 3,
+                        block_position: None,
+                    },
+                )
+            };
             assert!(what.is_some(), "{kind:?}");
             let after = snapshot(&s);
             let bb = s.layout(0).block_bytes();
@@ -228,6 +257,55 @@ mod tests {
                 "{kind:?} touched {changed_blocks:?}"
             );
         }
+    }
+
+    #[test]
+    fn a_corrupt_byte_at_a_block_position_changes_that_block_only() {
+        let (s, spec) = storage();
+        let table: Vec<Option<usize>> = vec![Some(6), Some(2), Some(5)];
+        // a load of tokens [4, 10): positions 1 and 2, blocks 2 and 5
+        let req = ChecksumRequest::for_load(
+            4,
+            10,
+            &[GroupBlocks {
+                group_id: 0,
+                spec: &spec,
+                first_position: 0,
+                blocks: &table,
+            }],
+        );
+        for (position, block) in [(1usize, 2usize), (2, 5)] {
+            for seed in 0..8 {
+                let before = snapshot(&s);
+                let fault = BlockFault {
+                    kind: FaultKind::CorruptByte,
+                    seed,
+                    block_position: Some(position),
+                };
+                let what = unsafe { inject(&s, &req, fault) }.expect("a loaded position");
+                assert!(what.contains(&format!("(position {position})")), "{what}");
+                let bb = s.layout(0).block_bytes();
+                let changed: std::collections::BTreeSet<usize> = before
+                    .iter()
+                    .zip(&snapshot(&s))
+                    .flat_map(|(a, b)| {
+                        (0..8).filter(move |&blk| {
+                            a[blk * bb..(blk + 1) * bb] != b[blk * bb..(blk + 1) * bb]
+                        })
+                    })
+                    .collect();
+                assert_eq!(changed, [block].into(), "position {position}, seed {seed}");
+            }
+        }
+        // position 0 is the consumer's own block, not loaded: nothing is written
+        let before = snapshot(&s);
+        let fault = BlockFault {
+            kind: FaultKind::CorruptByte,
+            seed: 1,
+            block_position: Some(0),
+        };
+        assert_eq!(unsafe { inject(&s, &req, fault) }, None);
+        assert_eq!(before, snapshot(&s));
     }
 
     #[test]

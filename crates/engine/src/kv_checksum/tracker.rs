@@ -50,7 +50,13 @@ pub(crate) enum LoadCheck {
     /// Use the blocks (verified, or fail-open).
     Accept,
     /// Fail-closed and not verified: a KV load failure with this reason.
-    Reject(String),
+    Reject {
+        reason: String,
+        /// Where the load's verified prefix ends, in tokens of the request: a mismatch whose
+        /// groups all report a verified prefix (no group unverified). Every block before this
+        /// token compared equal (or is the consumer's own); `None` when nothing is known good.
+        verified_tokens: Option<usize>,
+    },
 }
 
 /// The scheduler side of KV checksums. See the module docs.
@@ -180,6 +186,7 @@ impl ChecksumTracker {
             (rng.unit() < f.probability).then(|| BlockFault {
                 kind: f.kind,
                 seed: rng.next_u64(),
+                block_position: f.block_position,
             })
         });
         let generation = self.generation();
@@ -363,8 +370,32 @@ impl ChecksumTracker {
         Some(if verdict.is_verified() || !self.fail_closed {
             LoadCheck::Accept
         } else {
-            LoadCheck::Reject(format!("KV failed checksum verification: {what}"))
+            LoadCheck::Reject {
+                reason: format!("KV failed checksum verification: {what}"),
+                verified_tokens: self.verified_tokens(&verdict),
+            }
         })
+    }
+
+    /// The earliest end of a verified prefix over the mismatched groups, in tokens; `None` unless
+    /// the verdict is a mismatch with no unverified group (a group that could not be compared
+    /// vouches for none of its blocks).
+    fn verified_tokens(&self, verdict: &Verdict) -> Option<usize> {
+        let Verdict::Mismatch { groups, unverified } = verdict else {
+            return None;
+        };
+        if !unverified.is_empty() {
+            return None;
+        }
+        groups
+            .iter()
+            .map(|g| {
+                let (_, spec) = self.groups.iter().find(|(id, _)| *id == g.group_id)?;
+                g.verified_prefix_end.checked_mul(spec.block_size())
+            })
+            .collect::<Option<Vec<usize>>>()?
+            .into_iter()
+            .min()
     }
 
     /// Requests with checksum state.
@@ -554,11 +585,41 @@ mod tests {
             c.add_records(vec![record(&storage, &setup, &job, ChecksumSide::Recv)]);
             match c.verify_load(9, "c").unwrap() {
                 LoadCheck::Accept => assert!(!fail_closed),
-                LoadCheck::Reject(why) => {
+                LoadCheck::Reject {
+                    reason,
+                    verified_tokens,
+                } => {
                     assert!(fail_closed);
-                    assert!(why.contains("mismatch at block positions [0, 1]"), "{why}");
+                    assert!(
+                        reason.contains("mismatch at block positions [0, 1]"),
+                        "{reason}"
+                    );
+                    assert_eq!(verified_tokens, Some(0), "block 0 differs: nothing kept");
                 }
             }
+        }
+        // a mismatch in the second block only: the first block's tokens are kept
+        let config = KvChecksumConfig {
+            enabled: true,
+            fail_closed: true,
+            ..Default::default()
+        };
+        let mut c = ChecksumTracker::new(&config, &groups, WorkerGrid::default());
+        c.add_load(9, Some(&params), 0, 7, &[0, 6]);
+        let job = c.take_work().recvs.remove(0);
+        c.add_records(vec![record(&storage, &setup, &job, ChecksumSide::Recv)]);
+        match c.verify_load(9, "c") {
+            Some(LoadCheck::Reject {
+                reason,
+                verified_tokens,
+            }) => {
+                assert!(
+                    reason.contains("mismatch at block positions [1]"),
+                    "{reason}"
+                );
+                assert_eq!(verified_tokens, Some(4));
+            }
+            other => panic!("expected a rejected load, got {other:?}"),
         }
         // no record at all: unverified, never accepted under fail-closed
         let config = KvChecksumConfig {
@@ -568,7 +629,13 @@ mod tests {
         };
         let mut c = ChecksumTracker::new(&config, &groups, WorkerGrid::default());
         c.add_load(9, Some(&params), 0, 7, &[0, 1]);
-        assert!(matches!(c.verify_load(9, "c"), Some(LoadCheck::Reject(_))));
+        assert!(matches!(
+            c.verify_load(9, "c"),
+            Some(LoadCheck::Reject {
+                verified_tokens: None,
+                ..
+            })
+        ));
         assert_eq!(c.verify_load(9, "c"), None, "verified once");
     }
 }

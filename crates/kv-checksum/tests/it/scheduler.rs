@@ -245,6 +245,58 @@ fn different_block_sizes_compare_chunks() {
     }
 }
 
+/// The verified prefix a mismatch reports (where a partial recompute resumes): every consumer
+/// block before it compared equal, it never passes the first bad block, and with different block
+/// sizes it ends at the start of the larger block holding the corruption.
+#[test]
+fn a_mismatch_reports_the_verified_prefix_of_the_load() {
+    let prefix_end = |v: &Verdict| mismatch(v)[0].verified_prefix_end;
+    // same block size, 100 tokens = 7 blocks: a corruption in block k leaves k good blocks
+    let m = model(31, 3, 2, 100);
+    let p = instance(&m, 1, 1, 16, 32);
+    let payload = encoded(&p, 100);
+    for (token, want) in [(0usize, 0usize), (5, 0), (16, 1), (50, 3), (99, 6)] {
+        let mut c = instance(&m, 2, 1, 16, 33);
+        corrupt(&mut c, 1, token);
+        assert_eq!(
+            prefix_end(&c.verdict(&payload, 0, 100)),
+            want,
+            "token {token}"
+        );
+    }
+    // two corruptions: the earlier one ends the prefix, whichever worker holds it
+    let mut c = instance(&m, 2, 1, 16, 34);
+    corrupt(&mut c, 0, 70);
+    corrupt(&mut c, 1, 40);
+    let v = c.verdict(&payload, 0, 100);
+    assert_eq!(mismatch(&v)[0].block_positions, vec![2, 4]);
+    assert_eq!(prefix_end(&v), 2);
+    // a local prefix hit of 32 tokens: the prefix starts at the first loaded block
+    let mut c = consumer_loading_from(&m, 1, 16, 32, 35);
+    corrupt(&mut c, 0, 33);
+    assert_eq!(prefix_end(&c.verdict(&payload, 32, 100)), 2);
+    let mut c = consumer_loading_from(&m, 1, 16, 32, 36);
+    corrupt(&mut c, 0, 70);
+    assert_eq!(prefix_end(&c.verdict(&payload, 32, 100)), 4);
+    // a corrupted replica (2 KV heads on TP 4) ends the prefix too
+    let mut c = instance(&m, 4, 1, 16, 37);
+    corrupt(&mut c, 3, 60);
+    assert_eq!(prefix_end(&c.verdict(&payload, 0, 100)), 3);
+    // producer blocks of 32, consumer blocks of 16: token 50 lies in chunk [32, 64), blocks 2, 3
+    let p32 = instance(&m, 1, 1, 32, 38);
+    let mut c = instance(&m, 1, 1, 16, 39);
+    corrupt(&mut c, 0, 50);
+    let v = c.verdict(&encoded(&p32, 100), 0, 100);
+    assert_eq!(mismatch(&v)[0].block_positions, vec![2, 3]);
+    assert_eq!(prefix_end(&v), 2);
+    // producer blocks of 16, consumer blocks of 32: token 70 lies in consumer block 2
+    let mut c = instance(&m, 1, 1, 32, 40);
+    corrupt(&mut c, 0, 70);
+    let v = c.verdict(&payload, 0, 100);
+    assert_eq!(mismatch(&v)[0].block_positions, vec![2]);
+    assert_eq!(prefix_end(&v), 2);
+}
+
 #[test]
 fn block_sizes_that_are_not_multiples_are_unverified() {
     let m = model(19, 2, 2, 48);

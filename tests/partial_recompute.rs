@@ -104,6 +104,15 @@ async fn counts(s: &Server) -> Counts {
     }
 }
 
+fn producer() -> Server {
+    Server::serve(&[
+        "--num-kv-blocks",
+        "256",
+        "--kv-transfer-config",
+        r#"{"kv_connector":"NixlConnector","kv_role":"kv_producer","enable_kv_checksum":true}"#,
+    ])
+}
+
 fn consumer(block_position: usize, partial: bool) -> Server {
     Server::serve(&[
         "--num-kv-blocks",
@@ -115,12 +124,7 @@ fn consumer(block_position: usize, partial: bool) -> Server {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_corrupted_block_recomputes_only_from_that_block() {
-    let producer = Server::serve(&[
-        "--num-kv-blocks",
-        "256",
-        "--kv-transfer-config",
-        r#"{"kv_connector":"NixlConnector","kv_role":"kv_producer","enable_kv_checksum":true}"#,
-    ]);
+    let producer = producer();
     // The producer answers plain requests as a single instance would.
     let (prompt_ids, want) = reference(&producer, json!(PROMPT)).await;
     let n = prompt_ids.len();
@@ -166,12 +170,7 @@ async fn a_corrupted_block_recomputes_only_from_that_block() {
 /// a corruption in that load keeps both its own blocks and the verified loaded ones.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_local_prefix_and_the_verified_loaded_blocks_are_both_kept() {
-    let producer = Server::serve(&[
-        "--num-kv-blocks",
-        "256",
-        "--kv-transfer-config",
-        r#"{"kv_connector":"NixlConnector","kv_role":"kv_producer","enable_kv_checksum":true}"#,
-    ]);
+    let producer = producer();
     let (prompt_ids, want) = reference(&producer, json!(PROMPT)).await;
     let n = prompt_ids.len();
     // corrupt block 3; the consumer holds blocks 0 and 1 from a local request sharing 40 tokens

@@ -201,6 +201,21 @@ mod tests {
             .collect()
     }
 
+    /// A load of tokens [4, 10) of the table [6, 2, 5]: positions 1 and 2, blocks 2 and 5.
+    fn load_of_tokens_4_to_10(spec: &KvCacheSpec) -> ChecksumRequest {
+        let table: Vec<Option<usize>> = vec![Some(6), Some(2), Some(5)];
+        ChecksumRequest::for_load(
+            4,
+            10,
+            &[GroupBlocks {
+                group_id: 0,
+                spec,
+                first_position: 0,
+                blocks: &table,
+            }],
+        )
+    }
+
     #[test]
     fn each_block_fault_changes_only_the_loaded_blocks() {
         for kind in [
@@ -217,18 +232,7 @@ mod tests {
                 }
             }
             let before = snapshot(&s);
-            let table: Vec<Option<usize>> = vec![Some(6), Some(2), Some(5)];
-            // a load of tokens [4, 10): blocks 2 and 5
-            let req = ChecksumRequest::for_load(
-                4,
-                10,
-                &[GroupBlocks {
-                    group_id: 0,
-                    spec: &spec,
-                    first_position: 0,
-                    blocks: &table,
-                }],
-            );
+            let req = load_of_tokens_4_to_10(&spec);
             let what = unsafe {
                 inject(
                     &s,
@@ -262,18 +266,7 @@ mod tests {
     #[test]
     fn a_corrupt_byte_at_a_block_position_changes_that_block_only() {
         let (s, spec) = storage();
-        let table: Vec<Option<usize>> = vec![Some(6), Some(2), Some(5)];
-        // a load of tokens [4, 10): positions 1 and 2, blocks 2 and 5
-        let req = ChecksumRequest::for_load(
-            4,
-            10,
-            &[GroupBlocks {
-                group_id: 0,
-                spec: &spec,
-                first_position: 0,
-                blocks: &table,
-            }],
-        );
+        let req = load_of_tokens_4_to_10(&spec);
         for (position, block) in [(1usize, 2usize), (2, 5)] {
             for seed in 0..8 {
                 let before = snapshot(&s);

@@ -327,6 +327,68 @@ async fn bad_inputs_get_envelopes_and_break_nothing() {
     common::wait_all_free(&[&s]).await;
 }
 
+/// No field that would change the output is accepted and ignored: the ones Tandem does not
+/// implement are refused with a 400 naming them, on both routes; fields that change nothing and
+/// unknown fields are accepted (an unknown name is logged once).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fields_that_would_change_the_output_are_refused_by_name() {
+    let s = Server::serve(&[]);
+    for (route, base) in [
+        ("/v1/completions", json!({"prompt": "hi", "max_tokens": 2})),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+        ),
+    ] {
+        for (field, value) in [
+            ("logit_bias", json!({"100": 50})),
+            ("response_format", json!({"type": "json_object"})),
+            (
+                "tools",
+                json!([{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+            ),
+            ("tool_choice", json!("required")),
+            ("repetition_penalty", json!(1.3)),
+            ("min_p", json!(0.2)),
+            ("best_of", json!(2)),
+            ("prompt_logprobs", json!(1)),
+            ("guided_json", json!({"type": "object"})),
+            ("guided_regex", json!("[a-z]+")),
+            ("guided_choice", json!(["yes", "no"])),
+        ] {
+            let mut b = base.clone();
+            b[field] = value;
+            let (st, body) = post(&s, route, b).await;
+            assert_eq!(st, 400, "{route} {field}: {body}");
+            assert_eq!(body["error"]["param"], json!(field), "{body}");
+            assert_eq!(body["error"]["type"], json!("BadRequestError"), "{body}");
+        }
+        // neutral values, no-op fields and unknown fields: 200
+        let mut b = base.clone();
+        for (field, value) in [
+            ("repetition_penalty", json!(1.0)),
+            ("response_format", json!({"type": "text"})),
+            ("user", json!("u-1")),
+            ("metadata", json!({"team": "a"})),
+            ("store", json!(false)),
+            ("a_field_nobody_knows", json!(3)),
+        ] {
+            b[field] = value;
+        }
+        let (st, body) = post(&s, route, b.clone()).await;
+        assert_eq!(st, 200, "{route}: {body}");
+        let (st, _) = post(&s, route, b).await;
+        assert_eq!(st, 200);
+    }
+    let log = s.log_text();
+    assert_eq!(
+        log.matches("\"a_field_nobody_knows\" is not known").count(),
+        1,
+        "one warning per unknown field name:\n{log}"
+    );
+    common::wait_all_free(&[&s]).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_disconnect_frees_blocks() {
     let s = Server::serve(&[]);

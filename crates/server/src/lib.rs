@@ -1,7 +1,7 @@
 //! The OpenAI-compatible HTTP server of one Tandem instance, and the `tandem` binary's pieces.
 //!
 //! - [`config`]: `tandem serve`'s flags (each also `TANDEM_*` and TOML).
-//! - [`protocol`]: request and response bodies.
+//! - [`protocol`]: request and response bodies; [`fields`]: fields beyond them (refused or not).
 //! - [`extract`]: the JSON extractor whose rejections are OpenAI envelopes.
 //! - [`routes`]: the router and handlers; [`generate`]: engine events to responses.
 //! - [`error`]: the one mapping of errors to HTTP status and envelope.
@@ -12,6 +12,7 @@ pub mod bench;
 pub mod config;
 pub mod error;
 pub mod extract;
+pub mod fields;
 pub mod generate;
 pub mod launch;
 pub mod protocol;

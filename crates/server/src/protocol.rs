@@ -1,7 +1,8 @@
 //! The OpenAI-compatible request and response bodies, as JSON sees them.
 //!
-//! Requests are parsed leniently (unknown fields are ignored, as OpenAI clients send extras) but
-//! typed strictly: a wrong type is a 422, a value out of range a 400 (see `validation`).
+//! Requests are typed strictly: a wrong type is a 422, a value out of range a 400. Fields no
+//! struct here claims are collected in [`CommonParams::extra`] and judged by [`crate::fields`]:
+//! refused (400) when they would change the output, else accepted (unknown ones logged once).
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -65,6 +66,9 @@ pub struct CommonParams {
     pub kv_transfer_params: Option<Value>,
     pub presence_penalty: Option<f32>,
     pub frequency_penalty: Option<f32>,
+    /// Every other field of the request (see [`crate::fields`]).
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, Value>,
 }
 
 #[derive(Debug, Clone, Deserialize)]

@@ -284,6 +284,7 @@ async fn completions(
     ApiJson(req): ApiJson<CompletionRequest>,
 ) -> Result<Response, ApiError> {
     check_model(&state, &req.common.model)?;
+    crate::fields::check_extra_fields(&req.common.extra)?;
     let n = check_n(&req.common)?;
     check_transfer_params(&state, &req.common)?;
     let (prompt_ids, prompt_text) = match req.prompt {
@@ -362,6 +363,7 @@ async fn chat_completions(
     ApiJson(req): ApiJson<ChatRequest>,
 ) -> Result<Response, ApiError> {
     check_model(&state, &req.common.model)?;
+    crate::fields::check_extra_fields(&req.common.extra)?;
     let n = check_n(&req.common)?;
     check_transfer_params(&state, &req.common)?;
     if req.messages.is_empty() {

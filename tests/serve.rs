@@ -389,6 +389,128 @@ async fn fields_that_would_change_the_output_are_refused_by_name() {
     common::wait_all_free(&[&s]).await;
 }
 
+/// vLLM's utility routes and response details: `/tokenize` gives exactly the ids the generation
+/// routes use, `/detokenize` inverts it and refuses ids outside the vocabulary, `/version`,
+/// `/v1/models` with `root` and `created`, and `X-Request-Id` on every generation response.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokenize_detokenize_version_models_and_request_ids() {
+    let s = Server::serve(&[]);
+    let text = "The capital of France is";
+    let (st, tok) = post(
+        &s,
+        "/tokenize",
+        json!({"prompt": text, "return_token_strs": true}),
+    )
+    .await;
+    assert_eq!(st, 200, "{tok}");
+    let (_, gen) = post(
+        &s,
+        "/v1/completions",
+        json!({"prompt": text, "max_tokens": 1, "return_token_ids": true}),
+    )
+    .await;
+    assert_eq!(tok["tokens"], gen["prompt_token_ids"], "{tok} {gen}");
+    assert_eq!(tok["count"], json!(tok["tokens"].as_array().unwrap().len()));
+    assert!(tok["max_model_len"].as_u64().unwrap() > 0);
+    let strs: String = tok["token_strs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    assert!(strs.replace('Ġ', " ").contains("France"), "{strs}");
+    let messages = json!([{"role": "user", "content": "Hi there"}]);
+    let (_, chat_tok) = post(&s, "/tokenize", json!({"messages": messages})).await;
+    let (_, chat) = post(
+        &s,
+        "/v1/chat/completions",
+        json!({"messages": messages, "max_tokens": 1, "return_token_ids": true}),
+    )
+    .await;
+    assert_eq!(
+        chat_tok["tokens"], chat["prompt_token_ids"],
+        "{chat_tok} {chat}"
+    );
+    let (st, de) = post(&s, "/detokenize", json!({"tokens": tok["tokens"]})).await;
+    assert_eq!(st, 200);
+    assert_eq!(de["prompt"], json!(text));
+    for (path, body, param) in [
+        ("/detokenize", json!({"tokens": [1, 999999999]}), "tokens"),
+        (
+            "/tokenize",
+            json!({"prompt": "a", "messages": messages}),
+            "prompt",
+        ),
+        (
+            "/tokenize",
+            json!({"prompt": "a", "add_special_tokens": false}),
+            "add_special_tokens",
+        ),
+        (
+            "/tokenize",
+            json!({"model": "other", "prompt": "a"}),
+            "model",
+        ),
+    ] {
+        let (st, e) = post(&s, path, body).await;
+        assert!(st == 400 || st == 404, "{path}: {st} {e}");
+        assert_eq!(e["error"]["param"], json!(param), "{e}");
+    }
+    let v: Value = client()
+        .get(s.url("/version"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert!(v["version"].as_str().is_some_and(|v| !v.is_empty()), "{v}");
+    let m: Value = client()
+        .get(s.url("/v1/models"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let card = &m["data"][0];
+    assert!(card["root"].as_str().unwrap().ends_with(".gguf"), "{card}");
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let created = card["created"].as_u64().unwrap();
+    assert!(created <= now && now - created < 600, "{card}");
+    // X-Request-Id: the client's echoed, else one generated, streaming or not
+    for stream in [false, true] {
+        let r = client()
+            .post(s.url("/v1/completions"))
+            .header("x-request-id", "client-id-7")
+            .json(&json!({"prompt": "Hi", "max_tokens": 2, "stream": stream}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(
+            r.headers()["x-request-id"],
+            "client-id-7",
+            "stream {stream}"
+        );
+        let r = client()
+            .post(s.url("/v1/completions"))
+            .json(&json!({"prompt": "Hi", "max_tokens": 2, "stream": stream}))
+            .send()
+            .await
+            .unwrap();
+        let id = r.headers()["x-request-id"].to_str().unwrap().to_string();
+        let body = r.text().await.unwrap();
+        assert!(
+            body.contains(&id),
+            "the body's id names the request: {id} {body}"
+        );
+    }
+    common::wait_all_free(&[&s]).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_disconnect_frees_blocks() {
     let s = Server::serve(&[]);

@@ -138,11 +138,19 @@ fn response_id(endpoint: Endpoint, request_id: &str) -> String {
 /// Runs the generation and answers in the requested form.
 pub async fn respond(state: AppState, g: Generation) -> Result<Response, ApiError> {
     let streams = submit_all(&state, &g)?;
-    if g.stream {
-        Ok(stream_response(state, g, streams).into_response())
+    let request_id = axum::http::HeaderValue::from_str(&g.request_id).ok();
+    let mut response = if g.stream {
+        stream_response(state, g, streams).into_response()
     } else {
-        full_response(state, g, streams).await
+        full_response(state, g, streams).await?
+    };
+    // The request's id, as the client sent it in X-Request-Id or as generated.
+    if let Some(id) = request_id {
+        response
+            .headers_mut()
+            .insert(crate::routes::X_REQUEST_ID, id);
     }
+    Ok(response)
 }
 
 async fn full_response(

@@ -122,6 +122,7 @@ pub fn build_instance(
         },
     )
     .with_context(|| format!("loading model `{}`", args.model))?;
+    let loaded_path = loaded.path.display().to_string();
     let model: Arc<dyn tandem_models::CausalLm> = Arc::from(loaded.model);
     let info = model.info().clone();
     let groups = model.kv_cache_groups(args.block_size, cache_dtype);
@@ -240,6 +241,10 @@ pub fn build_instance(
         tokenizer: tok,
         model_names: Arc::new(names),
         max_model_len,
+        model_root: loaded_path,
+        created: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs()),
         prometheus,
         max_body_bytes: args.max_request_body_bytes,
         kv_peer,

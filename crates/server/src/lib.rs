@@ -3,7 +3,8 @@
 //! - [`config`]: `tandem serve`'s flags (each also `TANDEM_*` and TOML).
 //! - [`protocol`]: request and response bodies; [`fields`]: fields beyond them (refused or not).
 //! - [`extract`]: the JSON extractor whose rejections are OpenAI envelopes.
-//! - [`routes`]: the router and handlers; [`generate`]: engine events to responses.
+//! - [`routes`]: the router and handlers; [`generate`]: engine events to responses;
+//!   [`tokenize`]: `/tokenize`, `/detokenize`, `/version`.
 //! - [`error`]: the one mapping of errors to HTTP status and envelope.
 //! - [`bench`]: `tandem bench`, a load generator for a running endpoint.
 //! - [`launch`]: loading the model, sizing the KV cache, starting engine and server.
@@ -18,6 +19,7 @@ pub mod launch;
 pub mod protocol;
 pub mod routes;
 pub mod state;
+pub mod tokenize;
 
 pub use routes::app;
 pub use state::AppState;

@@ -135,5 +135,7 @@ pub struct ModelCard {
     pub object: &'static str,
     pub created: u64,
     pub owned_by: &'static str,
+    /// The model's file or directory.
+    pub root: String,
     pub max_model_len: usize,
 }

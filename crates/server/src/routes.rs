@@ -20,7 +20,8 @@ use crate::error::ApiError;
 use crate::extract::ApiJson;
 use crate::generate::{respond, Endpoint, Generation};
 use crate::protocol::{
-    ChatRequest, CommonParams, CompletionRequest, MessageContent, ModelCard, PromptInput,
+    ChatMessageIn, ChatRequest, CommonParams, CompletionRequest, MessageContent, ModelCard,
+    PromptInput,
 };
 use crate::state::AppState;
 
@@ -44,6 +45,9 @@ pub fn app(state: AppState) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
+        .route("/tokenize", post(crate::tokenize::tokenize))
+        .route("/detokenize", post(crate::tokenize::detokenize))
+        .route("/version", get(crate::tokenize::version))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route(HANDSHAKE_PATH, get(kv_handshake))
@@ -63,8 +67,9 @@ async fn models(State(state): State<AppState>) -> Json<serde_json::Value> {
     let card = ModelCard {
         id: state.served_model_name().to_string(),
         object: "model",
-        created: 0,
+        created: state.created,
         owned_by: "tandem",
+        root: state.model_root.clone(),
         max_model_len: state.max_model_len,
     };
     Json(json!({"object": "list", "data": [card]}))
@@ -161,7 +166,7 @@ fn request_id(headers: &HeaderMap) -> String {
         .unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string())
 }
 
-fn check_model(state: &AppState, model: &Option<String>) -> Result<(), ApiError> {
+pub(crate) fn check_model(state: &AppState, model: &Option<String>) -> Result<(), ApiError> {
     match model {
         Some(m) if !state.model_names.iter().any(|n| n == m) => {
             Err(ApiError::ModelNotFound(m.clone()))
@@ -351,29 +356,20 @@ fn generation(
     }
 }
 
-fn encode(state: &AppState, text: &str) -> Result<Vec<u32>, ApiError> {
-    state.tokenizer.encode_prompt(text).map_err(|e| {
-        ApiError::bad_request(Some("prompt"), format!("cannot tokenize the prompt: {e}"))
-    })
-}
-
-async fn chat_completions(
-    State(state): State<AppState>,
-    headers: HeaderMap,
-    ApiJson(req): ApiJson<ChatRequest>,
-) -> Result<Response, ApiError> {
-    check_model(&state, &req.common.model)?;
-    crate::fields::check_extra_fields(&req.common.extra)?;
-    let n = check_n(&req.common)?;
-    check_transfer_params(&state, &req.common)?;
-    if req.messages.is_empty() {
+/// The chat template applied to `messages` (text content only), tokenized.
+pub(crate) fn chat_prompt_ids(
+    state: &AppState,
+    messages: &[ChatMessageIn],
+    add_generation_prompt: bool,
+) -> Result<Vec<u32>, ApiError> {
+    if messages.is_empty() {
         return Err(ApiError::bad_request(
             Some("messages"),
             "messages must not be empty",
         ));
     }
-    let mut messages = Vec::with_capacity(req.messages.len());
-    for (i, m) in req.messages.iter().enumerate() {
+    let mut turns = Vec::with_capacity(messages.len());
+    for (i, m) in messages.iter().enumerate() {
         if !["system", "user", "assistant", "developer", "tool"].contains(&m.role.as_str()) {
             return Err(ApiError::bad_request(
                 Some("messages"),
@@ -400,17 +396,39 @@ async fn chat_completions(
                 s
             }
         };
-        messages.push((m.role.clone(), content));
+        turns.push((m.role.clone(), content));
     }
-    let prompt_ids = state
+    state
         .tokenizer
-        .encode_chat(&messages, req.add_generation_prompt.unwrap_or(true))
+        .encode_chat(&turns, add_generation_prompt)
         .map_err(|e| {
             ApiError::bad_request(
                 Some("messages"),
                 format!("cannot apply the chat template: {e}"),
             )
-        })?;
+        })
+}
+
+pub(crate) fn encode(state: &AppState, text: &str) -> Result<Vec<u32>, ApiError> {
+    state.tokenizer.encode_prompt(text).map_err(|e| {
+        ApiError::bad_request(Some("prompt"), format!("cannot tokenize the prompt: {e}"))
+    })
+}
+
+async fn chat_completions(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    ApiJson(req): ApiJson<ChatRequest>,
+) -> Result<Response, ApiError> {
+    check_model(&state, &req.common.model)?;
+    crate::fields::check_extra_fields(&req.common.extra)?;
+    let n = check_n(&req.common)?;
+    check_transfer_params(&state, &req.common)?;
+    let prompt_ids = chat_prompt_ids(
+        &state,
+        &req.messages,
+        req.add_generation_prompt.unwrap_or(true),
+    )?;
     let logprobs = if req.logprobs {
         Some(req.top_logprobs.unwrap_or(0))
     } else if req.top_logprobs.is_some() {

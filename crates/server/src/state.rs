@@ -29,6 +29,10 @@ pub struct AppState {
     /// Names a request may use in `model` (the first is the one reported).
     pub model_names: Arc<Vec<String>>,
     pub max_model_len: usize,
+    /// Where the model was loaded from (`root` in `/v1/models`).
+    pub model_root: String,
+    /// When the server started, Unix seconds (`created` in `/v1/models`).
+    pub created: u64,
     pub prometheus: Option<PrometheusHandle>,
     pub max_body_bytes: usize,
     /// A P/D instance's KV routes (`/v1/kv/handshake`, `/v1/kv/claim`, `/v1/kv/release`).

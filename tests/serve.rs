@@ -341,15 +341,14 @@ async fn fields_that_would_change_the_output_are_refused_by_name() {
         ),
     ] {
         for (field, value) in [
-            ("logit_bias", json!({"100": 50})),
+            ("allowed_token_ids", json!([100])),
             ("response_format", json!({"type": "json_object"})),
             (
                 "tools",
                 json!([{"type": "function", "function": {"name": "f", "parameters": {}}}]),
             ),
             ("tool_choice", json!("required")),
-            ("repetition_penalty", json!(1.3)),
-            ("min_p", json!(0.2)),
+            ("typical_p", json!(0.5)),
             ("best_of", json!(2)),
             ("prompt_logprobs", json!(1)),
             ("guided_json", json!({"type": "object"})),
@@ -366,7 +365,7 @@ async fn fields_that_would_change_the_output_are_refused_by_name() {
         // neutral values, no-op fields and unknown fields: 200
         let mut b = base.clone();
         for (field, value) in [
-            ("repetition_penalty", json!(1.0)),
+            ("best_of", json!(1)),
             ("response_format", json!({"type": "text"})),
             ("user", json!("u-1")),
             ("metadata", json!({"team": "a"})),
@@ -558,6 +557,101 @@ async fn n_choices_logprobs_and_seeded_sampling() {
         assert!(lp["token_logprobs"][0].as_f64().unwrap() <= 0.0);
     }
     assert_eq!(a["usage"]["completion_tokens"], 24);
+}
+
+/// OpenAI's and vLLM's sampling controls change the output as they say: `logit_bias` forces or
+/// bans a token, `min_p: 1` leaves only the most likely token (so seeded sampling equals greedy),
+/// the penalties stop the greedy loop of a repetitive prompt; bad values get a 400 naming them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logit_bias_penalties_and_min_p_change_the_output() {
+    let s = Server::serve(&[]);
+    let ids = |body: &Value| -> Vec<u64> {
+        body["choices"][0]["token_ids"]
+            .as_array()
+            .unwrap_or_else(|| panic!("{body}"))
+            .iter()
+            .map(|v| v.as_u64().unwrap())
+            .collect()
+    };
+    let gen = |extra: Value| {
+        let mut b = json!({"prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0,
+                           "return_token_ids": true});
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        let s = &s;
+        async move {
+            let (st, body) = post(s, "/v1/completions", b).await;
+            assert_eq!(st, 200, "{body}");
+            ids(&body)
+        }
+    };
+    let greedy = gen(json!({})).await;
+    // a +100 bias forces a token; a -100 bias bans the greedy first token
+    let forced = gen(json!({"logit_bias": {"504": 100}})).await;
+    assert!(forced.iter().all(|&t| t == 504), "{forced:?}");
+    let banned = gen(json!({"logit_bias": {greedy[0].to_string(): -100}})).await;
+    assert_ne!(banned[0], greedy[0]);
+    assert!(!banned.contains(&greedy[0]), "{banned:?}");
+    // min_p 1 keeps only the most likely token: a hot seeded sample is the greedy answer
+    let hot = json!({"temperature": 1.5, "seed": 3});
+    let mut min_p = hot.clone();
+    min_p["min_p"] = json!(1.0);
+    assert_eq!(gen(min_p).await, greedy);
+    assert_ne!(
+        gen(hot).await,
+        greedy,
+        "without min_p, a hot sample wanders"
+    );
+    // penalties: a prompt that invites repetition
+    let loop_prompt = "one one one one one one one one one one one one";
+    let rep = |extra: Value| {
+        let mut b = extra;
+        b["prompt"] = json!(loop_prompt);
+        b["max_tokens"] = json!(16);
+        gen(b)
+    };
+    let plain = rep(json!({})).await;
+    let distinct = |v: &[u64]| v.iter().collect::<std::collections::HashSet<_>>().len();
+    for penalty in [
+        json!({"repetition_penalty": 1.5}),
+        json!({"frequency_penalty": 2.0}),
+        json!({"presence_penalty": 2.0}),
+    ] {
+        let out = rep(penalty.clone()).await;
+        assert!(
+            distinct(&out) > distinct(&plain),
+            "{penalty}: {out:?} is no more varied than {plain:?}"
+        );
+    }
+    // chat takes them too
+    let (st, body) = post(
+        &s,
+        "/v1/chat/completions",
+        json!({"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4,
+               "temperature": 0, "logit_bias": {"504": 100}, "return_token_ids": true}),
+    )
+    .await;
+    assert_eq!(st, 200, "{body}");
+    assert_eq!(ids(&body), vec![504; 4]);
+    for (field, value) in [
+        ("logit_bias", json!({"not-a-token": 1})),
+        ("logit_bias", json!({"99999999": 1})),
+        ("logit_bias", json!({"5": 500})),
+        ("presence_penalty", json!(3)),
+        ("frequency_penalty", json!(-2.5)),
+        ("repetition_penalty", json!(0)),
+        ("min_p", json!(1.5)),
+    ] {
+        let (st, body) = post(
+            &s,
+            "/v1/completions",
+            json!({"prompt": "hi", "max_tokens": 2, field: value}),
+        )
+        .await;
+        assert_eq!(st, 400, "{field}={value}: {body}");
+        assert_eq!(body["error"]["param"], json!(field), "{body}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -70,7 +70,9 @@ impl ModelWorker {
         }
         for s in &step.scheduled {
             if let Some(p) = &s.sampling {
-                self.samplers.insert(s.request_id, Sampler::new(p.clone()));
+                let context = s.penalty_context.as_deref().unwrap_or_default();
+                self.samplers
+                    .insert(s.request_id, Sampler::new(p.clone(), context));
             }
         }
         let flat = FlatBatch::build(step, self.block_size);

@@ -1,8 +1,10 @@
 //! Sampling parameters, their validation, and the sampler that turns logits into a token.
 //!
-//! Invariants: greedy sampling (temperature 0) is a pure argmax (lowest id on ties), so it does not
-//! depend on the batch; random sampling draws from the request's own RNG (seeded by `seed` when
+//! Invariants: greedy sampling (temperature 0) is a pure argmax (lowest id on ties) of the logits
+//! after the request's own bias and penalties, so it does not depend on the batch; random sampling draws from the request's own RNG (seeded by `seed` when
 //! given), so a seeded request's output does not depend on other requests either.
+
+use std::collections::{HashMap, HashSet};
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -27,6 +29,17 @@ pub struct SamplingParams {
     /// Number of top log-probabilities to return per output token (None: no logprobs).
     pub logprobs: Option<usize>,
     pub skip_special_tokens: bool,
+    /// Subtracted from the logit of every token the output already holds (OpenAI's, [-2, 2]).
+    pub presence_penalty: f32,
+    /// Subtracted once per occurrence in the output so far ([-2, 2]).
+    pub frequency_penalty: f32,
+    /// Divides positive and multiplies negative logits of tokens in the prompt or the output
+    /// (vLLM's; 1 is off, > 0).
+    pub repetition_penalty: f32,
+    /// Drops tokens whose probability is under `min_p` times the most likely one's ([0, 1]).
+    pub min_p: f32,
+    /// Added to the logits of these token ids before anything else ([-100, 100] each).
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for SamplingParams {
@@ -44,6 +57,11 @@ impl Default for SamplingParams {
             include_stop_str_in_output: false,
             logprobs: None,
             skip_special_tokens: true,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            min_p: 0.0,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -105,6 +123,46 @@ impl SamplingParams {
                 ));
             }
         }
+        for (name, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if !v.is_finite() || !(-2.0..=2.0).contains(&v) {
+                return Err(invalid(name, format!("{name} must be in [-2, 2], got {v}")));
+            }
+        }
+        if !self.repetition_penalty.is_finite()
+            || self.repetition_penalty <= 0.0
+            || self.repetition_penalty > 10.0
+        {
+            return Err(invalid(
+                "repetition_penalty",
+                format!(
+                    "repetition_penalty must be in (0, 10], got {}",
+                    self.repetition_penalty
+                ),
+            ));
+        }
+        if !self.min_p.is_finite() || !(0.0..=1.0).contains(&self.min_p) {
+            return Err(invalid(
+                "min_p",
+                format!("min_p must be in [0, 1], got {}", self.min_p),
+            ));
+        }
+        for &(t, b) in &self.logit_bias {
+            if t as usize >= vocab_size {
+                return Err(invalid(
+                    "logit_bias",
+                    format!("logit_bias token id {t} is out of the vocabulary (size {vocab_size})"),
+                ));
+            }
+            if !b.is_finite() || !(-100.0..=100.0).contains(&b) {
+                return Err(invalid(
+                    "logit_bias",
+                    format!("logit_bias of token {t} must be in [-100, 100], got {b}"),
+                ));
+            }
+        }
         if self.stop.iter().any(String::is_empty) {
             return Err(invalid("stop", "stop strings must not be empty".into()));
         }
@@ -124,6 +182,17 @@ impl SamplingParams {
     pub fn is_greedy(&self) -> bool {
         self.temperature == 0.0 || self.top_k == 1
     }
+
+    /// Whether the logits are changed before sampling (biases or penalties).
+    fn adjusts_logits(&self) -> bool {
+        !self.logit_bias.is_empty() || self.penalizes()
+    }
+
+    fn penalizes(&self) -> bool {
+        self.presence_penalty != 0.0
+            || self.frequency_penalty != 0.0
+            || self.repetition_penalty != 1.0
+    }
 }
 
 /// One token's log-probability and its top alternatives.
@@ -135,31 +204,87 @@ pub struct TokenLogprob {
     pub top: Vec<(u32, f32)>,
 }
 
-/// The sampling state of one request: its parameters and its RNG.
+/// The sampling state of one request: its parameters, its RNG, and what the penalties need (the
+/// tokens the request's context held when the sampler was made, and the tokens it sampled).
+///
+/// Order, as vLLM applies them: logit bias, repetition penalty (context and output tokens),
+/// frequency and presence penalties (output tokens), then temperature, top-k, min-p, top-p.
+/// Logprobs are those of the model's raw logits.
 #[derive(Debug, Clone)]
 pub struct Sampler {
     params: SamplingParams,
     rng: StdRng,
+    /// Tokens of the context (prompt) for the repetition penalty; empty when it is off.
+    context: HashSet<u32>,
+    /// Occurrences of each token this sampler produced, when a penalty is on.
+    output_counts: HashMap<u32, u32>,
 }
 
 impl Sampler {
-    pub fn new(params: SamplingParams) -> Self {
+    /// A sampler for a request whose context so far is `context` (its prompt; used only by the
+    /// repetition penalty).
+    pub fn new(params: SamplingParams, context: &[u32]) -> Self {
         let rng = match params.seed {
             Some(s) => StdRng::seed_from_u64(s),
             None => StdRng::from_os_rng(),
         };
-        Sampler { params, rng }
+        let context = if params.repetition_penalty != 1.0 {
+            context.iter().copied().collect()
+        } else {
+            HashSet::new()
+        };
+        Sampler {
+            params,
+            rng,
+            context,
+            output_counts: HashMap::new(),
+        }
     }
 
     /// Picks the next token from one row of logits.
     pub fn sample(&mut self, logits: &[f32]) -> (u32, Option<TokenLogprob>) {
+        let adjusted = self.params.adjusts_logits().then(|| self.adjust(logits));
+        let row = adjusted.as_deref().unwrap_or(logits);
         let token = if self.params.is_greedy() {
-            argmax(logits)
+            argmax(row)
         } else {
-            self.sample_random(logits)
+            self.sample_random(row)
         };
+        if self.params.penalizes() {
+            *self.output_counts.entry(token).or_insert(0) += 1;
+        }
         let lp = self.params.logprobs.map(|n| logprobs_of(logits, token, n));
         (token, lp)
+    }
+
+    /// The logits after the bias and the penalties.
+    fn adjust(&self, logits: &[f32]) -> Vec<f32> {
+        let p = &self.params;
+        let mut l = logits.to_vec();
+        for &(t, b) in &p.logit_bias {
+            if let Some(v) = l.get_mut(t as usize) {
+                *v += b;
+            }
+        }
+        if p.repetition_penalty != 1.0 {
+            let seen = self.context.iter().chain(self.output_counts.keys());
+            let mut done = HashSet::new();
+            for &t in seen {
+                if let (true, Some(v)) = (done.insert(t), l.get_mut(t as usize)) {
+                    *v = if *v > 0.0 {
+                        *v / p.repetition_penalty
+                    } else {
+                        *v * p.repetition_penalty
+                    };
+                }
+            }
+        }
+        for (&t, &c) in &self.output_counts {
+            if let Some(v) = l.get_mut(t as usize) {
+                *v -= p.frequency_penalty * c as f32 + p.presence_penalty;
+            }
+        }
+        l
     }
 
     fn sample_random(&mut self, logits: &[f32]) -> u32 {
@@ -188,6 +313,15 @@ impl Sampler {
         let mut probs: Vec<f32> = cand.iter().map(|(_, l)| (l - max).exp()).collect();
         let sum: f32 = probs.iter().sum();
         probs.iter_mut().for_each(|p| *p /= sum);
+        if self.params.min_p > 0.0 {
+            // probs are sorted: the most likely is first, and the kept ones are a prefix
+            let floor = self.params.min_p * probs[0];
+            let keep = probs.iter().take_while(|&&p| p >= floor).count().max(1);
+            probs.truncate(keep);
+            cand.truncate(keep);
+            let s: f32 = probs.iter().sum();
+            probs.iter_mut().for_each(|p| *p /= s);
+        }
         if self.params.top_p < 1.0 {
             let mut acc = 0.0;
             let mut keep = probs.len();
@@ -275,7 +409,7 @@ mod tests {
 
     #[test]
     fn greedy_is_argmax_with_lowest_id_on_ties() {
-        let mut s = Sampler::new(params(0.0, 0, 1.0, 1));
+        let mut s = Sampler::new(params(0.0, 0, 1.0, 1), &[]);
         assert_eq!(s.sample(&[0.1, 3.0, 3.0, -1.0]).0, 1);
         assert_eq!(argmax(&[f32::NAN, 1.0]), 1);
     }
@@ -284,7 +418,7 @@ mod tests {
     fn seeded_sampling_is_reproducible_and_respects_top_k() {
         let logits: Vec<f32> = (0..50).map(|i| (i % 7) as f32 * 0.3).collect();
         let run = |seed| {
-            let mut s = Sampler::new(params(1.0, 3, 1.0, seed));
+            let mut s = Sampler::new(params(1.0, 3, 1.0, seed), &[]);
             (0..40).map(|_| s.sample(&logits).0).collect::<Vec<_>>()
         };
         let a = run(7);
@@ -297,7 +431,7 @@ mod tests {
     #[test]
     fn top_p_keeps_the_nucleus_only() {
         let logits = [10.0, 0.0, 0.0, 0.0];
-        let mut s = Sampler::new(params(1.0, 0, 0.5, 3));
+        let mut s = Sampler::new(params(1.0, 0, 0.5, 3), &[]);
         for _ in 0..50 {
             assert_eq!(s.sample(&logits).0, 0);
         }
@@ -378,6 +512,48 @@ mod tests {
                 },
                 "stop_token_ids",
             ),
+            (
+                SamplingParams {
+                    presence_penalty: 2.5,
+                    ..Default::default()
+                },
+                "presence_penalty",
+            ),
+            (
+                SamplingParams {
+                    frequency_penalty: f32::NAN,
+                    ..Default::default()
+                },
+                "frequency_penalty",
+            ),
+            (
+                SamplingParams {
+                    repetition_penalty: 0.0,
+                    ..Default::default()
+                },
+                "repetition_penalty",
+            ),
+            (
+                SamplingParams {
+                    min_p: 1.5,
+                    ..Default::default()
+                },
+                "min_p",
+            ),
+            (
+                SamplingParams {
+                    logit_bias: vec![(100, 1.0)],
+                    ..Default::default()
+                },
+                "logit_bias",
+            ),
+            (
+                SamplingParams {
+                    logit_bias: vec![(3, 101.0)],
+                    ..Default::default()
+                },
+                "logit_bias",
+            ),
         ];
         for (p, name) in cases {
             match p.validate(100) {
@@ -386,5 +562,90 @@ mod tests {
             }
         }
         SamplingParams::default().validate(100).unwrap();
+    }
+
+    fn greedy_with(f: impl FnOnce(&mut SamplingParams)) -> SamplingParams {
+        let mut p = params(0.0, 0, 1.0, 1);
+        f(&mut p);
+        p
+    }
+
+    #[test]
+    fn logit_bias_moves_the_greedy_choice() {
+        let logits = [0.0, 5.0, 1.0, 0.0];
+        let mut s = Sampler::new(greedy_with(|p| p.logit_bias = vec![(2, 4.5)]), &[]);
+        assert_eq!(s.sample(&logits).0, 2);
+        let mut s = Sampler::new(greedy_with(|p| p.logit_bias = vec![(1, -100.0)]), &[]);
+        assert_eq!(s.sample(&logits).0, 2);
+        // logprobs stay those of the model
+        let mut s = Sampler::new(
+            greedy_with(|p| {
+                p.logit_bias = vec![(2, 4.5)];
+                p.logprobs = Some(1);
+            }),
+            &[],
+        );
+        let (t, lp) = s.sample(&logits);
+        assert_eq!(lp.unwrap().top[0].0, 1, "top logprob of token {t}");
+    }
+
+    #[test]
+    fn frequency_and_presence_penalties_count_the_output() {
+        // token 0 leads token 1 by 0.5
+        let logits = [5.0, 4.5, 0.0];
+        let run = |f: f32, pres: f32| {
+            let mut s = Sampler::new(
+                greedy_with(|p| {
+                    p.frequency_penalty = f;
+                    p.presence_penalty = pres;
+                }),
+                &[],
+            );
+            (0..4).map(|_| s.sample(&logits).0).collect::<Vec<_>>()
+        };
+        assert_eq!(run(0.0, 0.0), vec![0, 0, 0, 0]);
+        // frequency 0.3: token 0 wins while 5.0 - 0.3 k > 4.5 - 0.3 j
+        assert_eq!(run(0.3, 0.0), vec![0, 0, 1, 0]);
+        // presence 1.0: once both occurred, each is down by exactly 1, so token 0 again
+        assert_eq!(run(0.0, 1.0), vec![0, 1, 0, 0]);
+        // negative penalties reward repetition
+        assert_eq!(run(-2.0, 0.0), vec![0, 0, 0, 0]);
+    }
+
+    #[test]
+    fn repetition_penalty_covers_the_prompt_and_the_output() {
+        let logits = [3.0, 2.0, -1.0, -1.5];
+        let rep = |r: f32, prompt: &[u32]| {
+            let mut s = Sampler::new(greedy_with(|p| p.repetition_penalty = r), prompt);
+            (0..3).map(|_| s.sample(&logits).0).collect::<Vec<_>>()
+        };
+        assert_eq!(rep(1.0, &[0]), vec![0, 0, 0]);
+        // token 0 is in the prompt: 3 / 2 = 1.5 < 2, token 1 wins, then both are penalized (1.5 > 1)
+        assert_eq!(rep(2.0, &[0]), vec![1, 0, 0]);
+        // negative logits are multiplied: token 2 seen goes to -4 (below token 3's -1.5)
+        let mut s = Sampler::new(greedy_with(|p| p.repetition_penalty = 4.0), &[0, 1, 2]);
+        // 0.75, 0.5, -4.0, -1.5: token 0
+        assert_eq!(s.sample(&logits).0, 0);
+        let mut s = Sampler::new(greedy_with(|p| p.repetition_penalty = 4.0), &[]);
+        assert_eq!(s.sample(&[-1.0, -1.5]).0, 0);
+        let mut s = Sampler::new(greedy_with(|p| p.repetition_penalty = 4.0), &[0]);
+        assert_eq!(s.sample(&[-1.0, -1.5]).0, 1);
+    }
+
+    #[test]
+    fn min_p_drops_the_unlikely_tail() {
+        // probabilities about 0.67, 0.24, 0.09: min_p 0.2 keeps the first two only
+        let logits = [2.0, 1.0, 0.0];
+        let draw = |min_p: f32| {
+            let mut p = params(1.0, 0, 1.0, 11);
+            p.min_p = min_p;
+            let mut s = Sampler::new(p, &[]);
+            (0..400)
+                .map(|_| s.sample(&logits).0)
+                .collect::<HashSet<_>>()
+        };
+        assert_eq!(draw(0.0), HashSet::from([0, 1, 2]));
+        assert_eq!(draw(0.2), HashSet::from([0, 1]));
+        assert_eq!(draw(0.5), HashSet::from([0]));
     }
 }

@@ -348,10 +348,15 @@ impl Scheduler {
             .expect("scheduled request exists");
         let start = req.num_computed_tokens;
         let sampling = (!req.sent_to_worker).then(|| req.params.clone());
+        let penalty_context = sampling
+            .as_ref()
+            .filter(|p| p.repetition_penalty != 1.0)
+            .map(|_| req.all_token_ids.clone());
         req.sent_to_worker = true;
         ScheduledRequest {
             request_id: id,
             sampling,
+            penalty_context,
             token_ids: req.all_token_ids[start..start + num_new].to_vec(),
             start_position: start,
             block_table: table,

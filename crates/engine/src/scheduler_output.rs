@@ -18,6 +18,9 @@ pub struct ScheduledRequest {
     pub request_id: u64,
     /// Present the first time the worker sees the request.
     pub sampling: Option<SamplingParams>,
+    /// With `sampling`, when its repetition penalty is on: the request's tokens so far (the
+    /// prompt), which the penalty covers besides the output.
+    pub penalty_context: Option<Vec<u32>>,
     /// The tokens to run through the model this step.
     pub token_ids: Vec<u32>,
     /// Position of `token_ids[0]` (the request's computed tokens before this step).

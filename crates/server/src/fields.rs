@@ -4,7 +4,7 @@
 //! the field silently ignored. So every field outside [`crate::protocol`]'s structs is one of:
 //! - **refused**: a field of the OpenAI or vLLM API that would change the output and that Tandem
 //!   does not implement; a 400 names it (`param`), unless its value is the one that changes
-//!   nothing (`repetition_penalty: 1`, `response_format: {"type": "text"}`, `null`, …);
+//!   nothing (`best_of: 1`, `response_format: {"type": "text"}`, `null`, …);
 //! - **accepted**: fields that change nothing about the output (`user`, `metadata`, `store`, …);
 //! - **unknown**: anything else is accepted, as vLLM does, with one warning per field name in the
 //!   log (at most [`MAX_WARNED_NAMES`] names are remembered, so hostile clients cannot grow it).
@@ -40,8 +40,7 @@ fn asks_for_nothing(name: &str, value: &Value) -> bool {
         _ => {}
     }
     match name {
-        "repetition_penalty" | "length_penalty" => number_is(1.0),
-        "min_p" => number_is(0.0),
+        "length_penalty" => number_is(1.0),
         "best_of" => number_is(1.0),
         "use_beam_search" | "echo" | "continue_final_message" => value == &Value::Bool(false),
         "spaces_between_special_tokens" => value == &Value::Bool(true),
@@ -58,9 +57,7 @@ fn asks_for_nothing(name: &str, value: &Value) -> bool {
 /// the client should know.
 fn refusal(name: &str) -> Option<&'static str> {
     Some(match name {
-        "logit_bias" | "allowed_token_ids" | "bad_words" | "logits_processors" => {
-            "token biases and masks are not supported"
-        }
+        "allowed_token_ids" | "bad_words" | "logits_processors" => "token masks are not supported",
         "response_format"
         | "guided_json"
         | "guided_regex"
@@ -70,9 +67,7 @@ fn refusal(name: &str) -> Option<&'static str> {
         | "guided_whitespace_pattern"
         | "structured_outputs" => "structured outputs are not supported",
         "tools" | "tool_choice" | "functions" | "function_call" => "tool calls are not supported",
-        "repetition_penalty" | "min_p" | "typical_p" | "top_a" => {
-            "this sampling control is not supported"
-        }
+        "typical_p" | "top_a" => "this sampling control is not supported",
         "best_of" | "use_beam_search" | "length_penalty" => {
             "best-of and beam search are not supported"
         }
@@ -149,15 +144,14 @@ mod tests {
     #[test]
     fn output_changing_fields_are_refused_by_name() {
         for (field, value) in [
-            ("logit_bias", json!({"42": 100})),
+            ("allowed_token_ids", json!([1, 2])),
             ("response_format", json!({"type": "json_object"})),
             (
                 "tools",
                 json!([{"type": "function", "function": {"name": "f"}}]),
             ),
             ("tool_choice", json!("required")),
-            ("repetition_penalty", json!(1.2)),
-            ("min_p", json!(0.1)),
+            ("typical_p", json!(0.9)),
             ("best_of", json!(3)),
             ("prompt_logprobs", json!(1)),
             ("guided_json", json!({"type": "object"})),
@@ -173,7 +167,7 @@ mod tests {
     #[test]
     fn neutral_values_and_no_op_fields_pass() {
         for v in [
-            json!({"repetition_penalty": 1.0, "min_p": 0, "best_of": 1, "logit_bias": {}}),
+            json!({"length_penalty": 1.0, "best_of": 1, "allowed_token_ids": []}),
             json!({"response_format": {"type": "text"}, "tools": [], "tool_choice": "none"}),
             json!({"prompt_logprobs": null, "use_beam_search": false, "guided_json": null}),
             json!({"user": "u1", "metadata": {"k": "v"}, "store": true, "service_tier": "auto"}),

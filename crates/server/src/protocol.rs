@@ -66,6 +66,10 @@ pub struct CommonParams {
     pub kv_transfer_params: Option<Value>,
     pub presence_penalty: Option<f32>,
     pub frequency_penalty: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    pub min_p: Option<f32>,
+    /// Token id (as a string, OpenAI's form) to a bias added to its logit.
+    pub logit_bias: Option<std::collections::BTreeMap<String, f32>>,
     /// Every other field of the request (see [`crate::fields`]).
     #[serde(flatten)]
     pub extra: serde_json::Map<String, Value>,

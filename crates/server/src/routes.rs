@@ -183,17 +183,6 @@ fn sampling_params(
     prompt_len: usize,
     logprobs: Option<usize>,
 ) -> Result<SamplingParams, ApiError> {
-    for (name, v) in [
-        ("presence_penalty", c.presence_penalty),
-        ("frequency_penalty", c.frequency_penalty),
-    ] {
-        if v.is_some_and(|v| v != 0.0) {
-            return Err(ApiError::bad_request(
-                Some(name),
-                format!("{name} is not supported"),
-            ));
-        }
-    }
     check_decode_room(state, c, prompt_len)?;
     let max_tokens = match max_tokens {
         Some(m) => m,
@@ -212,7 +201,30 @@ fn sampling_params(
         include_stop_str_in_output: c.include_stop_str_in_output,
         logprobs,
         skip_special_tokens: c.skip_special_tokens.unwrap_or(true),
+        presence_penalty: c.presence_penalty.unwrap_or(0.0),
+        frequency_penalty: c.frequency_penalty.unwrap_or(0.0),
+        repetition_penalty: c.repetition_penalty.unwrap_or(1.0),
+        min_p: c.min_p.unwrap_or(0.0),
+        logit_bias: logit_bias(c)?,
     })
+}
+
+/// OpenAI's `logit_bias` (token ids as strings) as pairs; the engine checks ids and ranges.
+fn logit_bias(c: &CommonParams) -> Result<Vec<(u32, f32)>, ApiError> {
+    let Some(map) = &c.logit_bias else {
+        return Ok(Vec::new());
+    };
+    map.iter()
+        .map(|(id, &bias)| {
+            let id = id.trim().parse::<u32>().map_err(|_| {
+                ApiError::bad_request(
+                    Some("logit_bias"),
+                    format!("logit_bias keys must be token ids, got {id:?}"),
+                )
+            })?;
+            Ok((id, bias))
+        })
+        .collect()
 }
 
 /// A producer request (`do_remote_decode`) carrying the decode's output limit

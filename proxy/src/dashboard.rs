@@ -2,7 +2,7 @@
 //!
 //! The summary is built per call: every instance in the pools (health and outstanding requests
 //! as the proxy sees them) plus a few series scraped from its `/metrics` (running and waiting
-//! requests, those waiting for remote KV, successes, TTFT sum and count, KV bytes moved, checksum verdicts and sends, load
+//! requests, those waiting for remote KV, successes, TTFT sum and count, KV bytes moved and failed transfers, checksum verdicts and sends, load
 //! failures, free and total KV blocks), and the proxy's own request counters. Counters are
 //! totals; the page turns them into rates between two polls. The page is one embedded HTML file
 //! with inline script and style, no external asset, served with a CSP that allows nothing else.
@@ -31,23 +31,59 @@ const PAGE: &str = include_str!("dashboard.html");
 const CSP: &str = "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; \
                    connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'";
 
+/// A label name and the value a sample must have for it.
+type Label = (&'static str, &'static str);
+
 /// The instance series the summary reports: (summary key, metric name, label filter).
 /// Names are the instances' (`tandem_engine::metrics`); a series with labels is summed over
 /// those that match the filter.
-const INSTANCE_SERIES: &[(&str, &str, Option<(&str, &str)>)] = &[
+const INSTANCE_SERIES: &[(&str, &str, Option<Label>)] = &[
     ("running", "tandem:num_requests_running", None),
     ("waiting", "tandem:num_requests_waiting", None),
-    ("waiting_remote_kv", "tandem:num_requests_waiting_for_remote_kv", None),
+    (
+        "waiting_remote_kv",
+        "tandem:num_requests_waiting_for_remote_kv",
+        None,
+    ),
     ("requests_ok", "tandem:request_success_total", None),
     ("ttft_sum", "tandem:time_to_first_token_seconds_sum", None),
-    ("ttft_count", "tandem:time_to_first_token_seconds_count", None),
+    (
+        "ttft_count",
+        "tandem:time_to_first_token_seconds_count",
+        None,
+    ),
     ("kv_bytes", "tandem:kv_transfer_bytes_total", None),
+    (
+        "kv_transfer_failures",
+        "tandem:kv_transfer_failures_total",
+        None,
+    ),
     ("kv_sends", "tandem:kv_checksum_sends_total", None),
-    ("loads_verified", "tandem:kv_checksum_loads_total", Some(("verdict", "verified"))),
-    ("loads_mismatch", "tandem:kv_checksum_loads_total", Some(("verdict", "mismatch"))),
-    ("loads_unverified", "tandem:kv_checksum_loads_total", Some(("verdict", "unverified"))),
-    ("load_failures_fail", "tandem:kv_load_failures_total", Some(("policy", "fail"))),
-    ("load_failures_recompute", "tandem:kv_load_failures_total", Some(("policy", "recompute"))),
+    (
+        "loads_verified",
+        "tandem:kv_checksum_loads_total",
+        Some(("verdict", "verified")),
+    ),
+    (
+        "loads_mismatch",
+        "tandem:kv_checksum_loads_total",
+        Some(("verdict", "mismatch")),
+    ),
+    (
+        "loads_unverified",
+        "tandem:kv_checksum_loads_total",
+        Some(("verdict", "unverified")),
+    ),
+    (
+        "load_failures_fail",
+        "tandem:kv_load_failures_total",
+        Some(("policy", "fail")),
+    ),
+    (
+        "load_failures_recompute",
+        "tandem:kv_load_failures_total",
+        Some(("policy", "recompute")),
+    ),
     ("kv_free_blocks", "tandem:kv_cache_free_blocks", None),
     ("kv_total_blocks", "tandem:kv_cache_total_blocks", None),
 ];

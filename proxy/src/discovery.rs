@@ -50,7 +50,10 @@ mod tests {
             ["http://10.1.2.3:8200"]
         );
         let local = resolve_all("http://localhost:8100").await.unwrap();
-        assert!(local.contains(&"http://127.0.0.1:8100".to_owned()), "{local:?}");
+        assert!(
+            local.contains(&"http://127.0.0.1:8100".to_owned()),
+            "{local:?}"
+        );
         let url = reqwest::Url::parse("https://decode:9000/base").unwrap();
         assert_eq!(
             with_ip(&url, "fd00::7".parse().unwrap()),

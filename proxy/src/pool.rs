@@ -190,7 +190,10 @@ impl Pool {
                 }
             }
         }
-        for gone in instances.iter().filter(|i| !next.iter().any(|n| Arc::ptr_eq(n, i))) {
+        for gone in instances
+            .iter()
+            .filter(|i| !next.iter().any(|n| Arc::ptr_eq(n, i)))
+        {
             tracing::info!(role = %self.role, url = %gone.url, "upstream instance no longer resolved; removed");
             changed = true;
             telemetry::health_set(self.role.as_str(), &gone.url, false);
@@ -312,10 +315,20 @@ mod tests {
             Role::Decode,
             &["http://decode:8200".to_owned(), "http://other:1".to_owned()],
         );
-        let kept = ["http://10.0.0.2:8200".to_owned(), "http://10.0.0.3:8200".to_owned()];
+        let kept = [
+            "http://10.0.0.2:8200".to_owned(),
+            "http://10.0.0.3:8200".to_owned(),
+        ];
         assert!(pool.set_resolved("http://decode:8200", &kept));
         let urls: Vec<String> = pool.status().into_iter().map(|s| s.url).collect();
-        assert_eq!(urls, ["http://10.0.0.2:8200", "http://10.0.0.3:8200", "http://other:1"]);
+        assert_eq!(
+            urls,
+            [
+                "http://10.0.0.2:8200",
+                "http://10.0.0.3:8200",
+                "http://other:1"
+            ]
+        );
         // New instances wait for a health check.
         assert!(pool.status()[..2].iter().all(|s| !s.healthy));
         pool.instances()[0].set_healthy(true);

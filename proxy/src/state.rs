@@ -150,17 +150,17 @@ impl ProxyState {
             .chain(self.pool(Role::Decode).instances())
             .collect();
         let checks = instances.iter().map(|instance| async move {
-                let url = format!("{}/health", instance.url());
-                let check = self.upstream(self.client().get(&url)).timeout(timeout);
-                let healthy = match check.send().await {
-                    Ok(response) => response.status().is_success(),
-                    Err(e) => {
-                        tracing::debug!(%url, error = %e, "health check failed");
-                        false
-                    }
-                };
-                instance.set_healthy(healthy);
-            });
+            let url = format!("{}/health", instance.url());
+            let check = self.upstream(self.client().get(&url)).timeout(timeout);
+            let healthy = match check.send().await {
+                Ok(response) => response.status().is_success(),
+                Err(e) => {
+                    tracing::debug!(%url, error = %e, "health check failed");
+                    false
+                }
+            };
+            instance.set_healthy(healthy);
+        });
         futures::future::join_all(checks).await;
     }
 
@@ -175,8 +175,12 @@ impl ProxyState {
                     Ok(Ok(urls)) if !urls.is_empty() => {
                         pool.set_resolved(source, &urls);
                     }
-                    Ok(Ok(_)) => tracing::debug!(%source, "no address resolved; keeping the instances"),
-                    Ok(Err(e)) => tracing::debug!(%source, error = %e, "lookup failed; keeping the instances"),
+                    Ok(Ok(_)) => {
+                        tracing::debug!(%source, "no address resolved; keeping the instances")
+                    }
+                    Ok(Err(e)) => {
+                        tracing::debug!(%source, error = %e, "lookup failed; keeping the instances")
+                    }
                     Err(_) => tracing::debug!(%source, "lookup timed out; keeping the instances"),
                 }
             }

@@ -113,7 +113,9 @@ fn interface_of(ip: IpAddr) -> Option<String> {
             match i32::from((*ifa.ifa_addr).sa_family) {
                 libc::AF_INET => {
                     let sin = &*(ifa.ifa_addr as *const libc::sockaddr_in);
-                    Some(IpAddr::V4(Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr))))
+                    Some(IpAddr::V4(Ipv4Addr::from(u32::from_be(
+                        sin.sin_addr.s_addr,
+                    ))))
                 }
                 libc::AF_INET6 => {
                     let sin6 = &*(ifa.ifa_addr as *const libc::sockaddr_in6);
@@ -124,7 +126,11 @@ fn interface_of(ip: IpAddr) -> Option<String> {
         };
         if addr == Some(ip) {
             // SAFETY: `ifa_name` is a non-null NUL-terminated string owned by the list.
-            found = Some(unsafe { CStr::from_ptr(ifa.ifa_name) }.to_string_lossy().into_owned());
+            found = Some(
+                unsafe { CStr::from_ptr(ifa.ifa_name) }
+                    .to_string_lossy()
+                    .into_owned(),
+            );
             break;
         }
     }
@@ -139,7 +145,8 @@ mod tests {
 
     #[test]
     fn picks_ipv4_then_ipv6_never_loopback() {
-        let ips = |list: &[&str]| -> Vec<IpAddr> { list.iter().map(|s| s.parse().unwrap()).collect() };
+        let ips =
+            |list: &[&str]| -> Vec<IpAddr> { list.iter().map(|s| s.parse().unwrap()).collect() };
         assert_eq!(
             pick(&ips(&["127.0.0.1", "fd00::2", "172.18.0.3"])),
             Some("172.18.0.3".parse().unwrap())
@@ -154,7 +161,10 @@ mod tests {
 
     #[test]
     fn finds_the_interface_of_an_address() {
-        assert_eq!(interface_of("127.0.0.1".parse().unwrap()).as_deref(), Some("lo"));
+        assert_eq!(
+            interface_of("127.0.0.1".parse().unwrap()).as_deref(),
+            Some("lo")
+        );
         assert_eq!(interface_of("192.0.2.77".parse().unwrap()), None);
     }
 }

@@ -13,7 +13,10 @@ use clap::Args;
 #[derive(Args, Debug, Clone)]
 pub struct HealthArgs {
     /// The URL to check, e.g. `http://127.0.0.1:8000/health` (a URL without a path gets `/health`).
-    #[arg(env = "TANDEM_HEALTH_URL", default_value = "http://127.0.0.1:8000/health")]
+    #[arg(
+        env = "TANDEM_HEALTH_URL",
+        default_value = "http://127.0.0.1:8000/health"
+    )]
     pub url: String,
     /// Seconds the whole check may take.
     #[arg(long, env = "TANDEM_HEALTH_TIMEOUT_SECS", default_value_t = 3.0)]
@@ -38,7 +41,12 @@ pub async fn run(args: HealthArgs) -> anyhow::Result<()> {
     let timeout = Duration::try_from_secs_f64(args.timeout_secs)
         .ok()
         .filter(|t| !t.is_zero())
-        .with_context(|| format!("--timeout-secs {} is not a positive duration", args.timeout_secs))?;
+        .with_context(|| {
+            format!(
+                "--timeout-secs {} is not a positive duration",
+                args.timeout_secs
+            )
+        })?;
     let client = reqwest::Client::builder()
         .timeout(timeout)
         .redirect(reqwest::redirect::Policy::none())

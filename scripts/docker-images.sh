@@ -68,7 +68,13 @@ import() {
     local rootfs=$1 name=$2; shift 2
     local changes=()
     for c in "$@"; do changes+=(--change "$c"); done
+    local old
+    old=$(docker image inspect --format '{{.Id}}' "$name" 2>/dev/null || true)
     tar --numeric-owner -C "$rootfs" -c . | docker import "${changes[@]}" - "$name" >/dev/null
+    # The image this name held before is dropped unless a container still uses it.
+    if [ -n "$old" ] && [ "$old" != "$(docker image inspect --format '{{.Id}}' "$name")" ]; then
+        docker rmi "$old" >/dev/null 2>&1 || true
+    fi
     echo "docker-images: $name ($(du -sh "$rootfs" | cut -f1))"
 }
 

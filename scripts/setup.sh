@@ -5,6 +5,8 @@
 #   .tools/prometheus/usr/bin/prometheus      a real Prometheus for the metrics test (Debian's
 #                                             package, unpacked: no service is installed or started)
 #   libclang (Debian), for nixl-sys' bindgen
+#   chromium (Debian), for the dashboard test of the Docker Compose demo (tests/compose.rs), and
+#   docker-compose (Debian) where no Compose tool is installed
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -47,5 +49,14 @@ if [ ! -x "$prom" ]; then
     mkdir -p .tools/prometheus
     dpkg -x "$tmp"/prometheus_*.deb .tools/prometheus
     rm -rf "$tmp"
+fi
+if ! command -v chromium >/dev/null 2>&1; then
+    echo "setup: installing chromium (Debian), for the dashboard test"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+fi
+if command -v docker >/dev/null 2>&1 && ! docker compose version >/dev/null 2>&1 &&
+    ! command -v docker-compose >/dev/null 2>&1; then
+    echo "setup: installing docker-compose (Debian)"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose >/dev/null
 fi
 echo "setup: ok (model: $model, NIXL: .nixl/.nixl_cu12.mesonpy.libs, Prometheus: $prom)"

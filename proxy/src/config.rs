@@ -92,6 +92,13 @@ pub struct ProxyArgs {
     #[arg(long, env = "TANDEM_PROXY_HEALTH_CHECK_TIMEOUT_SECS", default_value_t = DEFAULT_HEALTH_CHECK_TIMEOUT_SECS)]
     pub health_check_timeout_secs: f64,
 
+    /// Resolve the host name of each `--prefill`/`--decode` URL to all its addresses at every
+    /// health round and balance over each address as an instance (the replicas of a scaled
+    /// Docker Compose or Kubernetes headless service). A failed lookup keeps the instances found
+    /// before; an IP address is used as it is.
+    #[arg(long, env = "TANDEM_PROXY_RESOLVE_REPLICAS")]
+    pub resolve_replicas: bool,
+
     /// Largest request body accepted, in bytes; a larger one answers 413.
     #[arg(long, env = "TANDEM_PROXY_MAX_BODY_BYTES", default_value_t = DEFAULT_MAX_BODY_BYTES)]
     pub max_body_bytes: usize,
@@ -131,6 +138,7 @@ impl Default for ProxyArgs {
             decode_idle_timeout_secs: DEFAULT_DECODE_IDLE_TIMEOUT_SECS,
             health_check_interval_secs: DEFAULT_HEALTH_CHECK_INTERVAL_SECS,
             health_check_timeout_secs: DEFAULT_HEALTH_CHECK_TIMEOUT_SECS,
+            resolve_replicas: false,
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             api_key: None,
             upstream_api_key: None,
@@ -151,6 +159,7 @@ pub(crate) struct Settings {
     pub decode_idle_timeout: Duration,
     pub health_check_interval: Duration,
     pub health_check_timeout: Duration,
+    pub resolve_replicas: bool,
     pub max_body_bytes: usize,
     /// What clients must send; `None`: every route is open.
     pub api_key: Option<ApiKey>,
@@ -180,6 +189,7 @@ impl ProxyArgs {
                 "health_check_timeout_secs",
                 self.health_check_timeout_secs,
             )?,
+            resolve_replicas: self.resolve_replicas,
             max_body_bytes: self.max_body_bytes,
             api_key: self.api_key.clone(),
             upstream_api_key: self

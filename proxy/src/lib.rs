@@ -27,6 +27,8 @@
 //! that breaks ends for the client with an error event and `[DONE]` (`forward`).
 
 mod config;
+mod dashboard;
+mod discovery;
 mod error;
 mod forward;
 mod pool;

@@ -6,10 +6,15 @@
 //! panics). Selection then increment is not atomic: two concurrent picks may see the same counts
 //! (approximate least-outstanding, as in vLLM's router). `healthy` is flipped by health checks and
 //! by a failed connect; an unhealthy instance is never picked.
-
+//!
+//! The instance list is a snapshot that [`Pool::set_resolved`] may replace (DNS discovery of a
+//! scaled service's replicas): an instance whose URL stays keeps its `Arc` (and so its counts and
+//! health), a removed one lives on only in the leases that still hold it, a new one starts out of
+//! rotation until a health check passes. Every instance comes from one configured URL (its
+//! `source`); without discovery the instances are exactly the configured URLs.
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 
 use serde::Serialize;
 
@@ -47,11 +52,25 @@ impl fmt::Display for Role {
 pub(crate) struct Instance {
     role: Role,
     url: String,
+    /// The configured URL this instance was found from (equal to `url` without discovery).
+    source: String,
     outstanding: AtomicUsize,
     healthy: AtomicBool,
 }
 
 impl Instance {
+    fn new(role: Role, url: String, source: String, healthy: bool) -> Arc<Self> {
+        telemetry::health_set(role.as_str(), &url, healthy);
+        telemetry::outstanding_changed(role.as_str(), &url, 0.0);
+        Arc::new(Self {
+            role,
+            url,
+            source,
+            outstanding: AtomicUsize::new(0),
+            healthy: AtomicBool::new(healthy),
+        })
+    }
+
     pub(crate) fn url(&self) -> &str {
         &self.url
     }
@@ -73,11 +92,11 @@ impl Instance {
         }
     }
 
-    fn is_healthy(&self) -> bool {
+    pub(crate) fn is_healthy(&self) -> bool {
         self.healthy.load(Ordering::SeqCst)
     }
 
-    fn outstanding(&self) -> usize {
+    pub(crate) fn outstanding(&self) -> usize {
         self.outstanding.load(Ordering::SeqCst)
     }
 }
@@ -111,50 +130,92 @@ impl Drop for Lease {
 #[derive(Debug)]
 pub(crate) struct Pool {
     role: Role,
-    instances: Vec<Arc<Instance>>,
+    /// The configured base URLs, in order.
+    sources: Vec<String>,
+    instances: RwLock<Vec<Arc<Instance>>>,
     cursor: AtomicUsize,
 }
 
 impl Pool {
-    /// A pool whose instances all start healthy (the first health check runs at once).
+    /// A pool of the configured URLs, all starting healthy (the first health check runs at once).
     pub(crate) fn new(role: Role, urls: &[String]) -> Self {
         let instances = urls
             .iter()
-            .map(|url| {
-                telemetry::health_set(role.as_str(), url, true);
-                telemetry::outstanding_changed(role.as_str(), url, 0.0);
-                Arc::new(Instance {
-                    role,
-                    url: url.clone(),
-                    outstanding: AtomicUsize::new(0),
-                    healthy: AtomicBool::new(true),
-                })
-            })
+            .map(|url| Instance::new(role, url.clone(), url.clone(), true))
             .collect();
         Self {
             role,
-            instances,
+            sources: urls.to_vec(),
+            instances: RwLock::new(instances),
             cursor: AtomicUsize::new(0),
         }
     }
 
-    pub(crate) fn instances(&self) -> &[Arc<Instance>] {
-        &self.instances
+    /// The configured base URLs.
+    pub(crate) fn sources(&self) -> &[String] {
+        &self.sources
+    }
+
+    /// A snapshot of the current instances.
+    pub(crate) fn instances(&self) -> Vec<Arc<Instance>> {
+        self.instances
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Replaces the instances found from `source` by `urls` (in order, duplicates dropped):
+    /// instances whose URL is kept stay as they are, new ones start out of rotation, and the
+    /// others leave the pool (their health gauge drops to 0). Returns whether the set changed.
+    pub(crate) fn set_resolved(&self, source: &str, urls: &[String]) -> bool {
+        let mut instances = self.instances.write().unwrap_or_else(|e| e.into_inner());
+        let mut next: Vec<Arc<Instance>> = Vec::with_capacity(instances.len());
+        let mut changed = false;
+        for src in &self.sources {
+            if src != source {
+                next.extend(instances.iter().filter(|i| i.source == *src).cloned());
+                continue;
+            }
+            for url in urls {
+                if next.iter().any(|i| i.url == *url) {
+                    continue;
+                }
+                match instances.iter().find(|i| i.url == *url && i.source == *src) {
+                    Some(kept) => next.push(kept.clone()),
+                    None => {
+                        tracing::info!(role = %self.role, %url, source = %src, "upstream instance discovered");
+                        changed = true;
+                        next.push(Instance::new(self.role, url.clone(), src.clone(), false));
+                    }
+                }
+            }
+        }
+        for gone in instances
+            .iter()
+            .filter(|i| !next.iter().any(|n| Arc::ptr_eq(n, i)))
+        {
+            tracing::info!(role = %self.role, url = %gone.url, "upstream instance no longer resolved; removed");
+            changed = true;
+            telemetry::health_set(self.role.as_str(), &gone.url, false);
+        }
+        *instances = next;
+        changed
     }
 
     /// Whether some instance of the role is in rotation.
     pub(crate) fn has_healthy(&self) -> bool {
-        self.instances.iter().any(|i| i.is_healthy())
+        self.instances().iter().any(|i| i.is_healthy())
     }
 
     /// Leases the healthy instance with the fewest outstanding requests, other than `exclude`;
     /// among equals, the first after a cursor that advances on every call (round-robin).
     pub(crate) fn acquire(&self, exclude: Option<&Arc<Instance>>) -> Result<Lease, ProxyError> {
-        let n = self.instances.len();
+        let instances = self.instances();
+        let n = instances.len();
         let start = self.cursor.fetch_add(1, Ordering::Relaxed);
         let mut best: Option<(&Arc<Instance>, usize)> = None;
         for i in 0..n {
-            let instance = &self.instances[(start + i) % n];
+            let instance = &instances[(start + i) % n];
             if !instance.is_healthy() || exclude.is_some_and(|e| Arc::ptr_eq(e, instance)) {
                 continue;
             }
@@ -168,7 +229,7 @@ impl Pool {
     }
 
     pub(crate) fn status(&self) -> Vec<InstanceStatus> {
-        self.instances
+        self.instances()
             .iter()
             .map(|i| InstanceStatus {
                 url: i.url.clone(),
@@ -246,6 +307,42 @@ mod tests {
         assert!(!pool.has_healthy());
         pool.instances()[0].set_healthy(true);
         assert_eq!(url(&pool.acquire(Some(&other)).unwrap()), "http://h0:1");
+    }
+
+    #[test]
+    fn resolved_instances_replace_their_source_only() {
+        let pool = Pool::new(
+            Role::Decode,
+            &["http://decode:8200".to_owned(), "http://other:1".to_owned()],
+        );
+        let kept = [
+            "http://10.0.0.2:8200".to_owned(),
+            "http://10.0.0.3:8200".to_owned(),
+        ];
+        assert!(pool.set_resolved("http://decode:8200", &kept));
+        let urls: Vec<String> = pool.status().into_iter().map(|s| s.url).collect();
+        assert_eq!(
+            urls,
+            [
+                "http://10.0.0.2:8200",
+                "http://10.0.0.3:8200",
+                "http://other:1"
+            ]
+        );
+        // New instances wait for a health check.
+        assert!(pool.status()[..2].iter().all(|s| !s.healthy));
+        pool.instances()[0].set_healthy(true);
+        let lease = pool.acquire(None).unwrap();
+        assert_eq!(url(&lease), "http://10.0.0.2:8200");
+        // A replica leaves, one stays with its state, the lease outlives the removal.
+        assert!(pool.set_resolved("http://decode:8200", &kept[..1]));
+        assert!(!pool.set_resolved("http://decode:8200", &kept[..1]));
+        let status = pool.status();
+        assert_eq!(status.len(), 2);
+        assert!(status[0].healthy && status[0].outstanding == 1);
+        assert_eq!(pool.instances()[1].source, "http://other:1");
+        drop(lease);
+        assert_eq!(pool.status()[0].outstanding, 0);
     }
 
     #[test]

@@ -14,18 +14,20 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::json;
 
+use crate::dashboard;
 use crate::error::ProxyError;
 use crate::forward;
 use crate::pool::Role;
 use crate::state::ProxyState;
 
-/// Routes a client may call without the API key: probes and scrapes.
-pub const OPEN_PATHS: [&str; 2] = ["/health", "/metrics"];
+/// Routes a client may call without the API key: probes, scrapes and the dashboard (which shows
+/// what `/metrics` of the proxy and the instances already show).
+pub const OPEN_PATHS: [&str; 4] = ["/health", "/metrics", "/dashboard", "/dashboard/summary"];
 
 /// The proxy's router, ready to serve (drive it with `tower::ServiceExt::oneshot` or `axum::serve`).
 ///
 /// Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`,
-/// `GET /metrics`; all but [`OPEN_PATHS`] behind the API key when one is configured.
+/// `GET /metrics`, `GET /dashboard` and `GET /dashboard/summary`; all but [`OPEN_PATHS`] behind the API key when one is configured.
 pub fn app(state: ProxyState) -> Router {
     let limit = state.settings().max_body_bytes;
     let key = state.settings().api_key.as_ref().map(|k| k.shared());
@@ -35,6 +37,8 @@ pub fn app(state: ProxyState) -> Router {
         .route("/v1/models", get(forward::models))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
+        .route("/dashboard", get(dashboard::page))
+        .route("/dashboard/summary", get(dashboard::summary))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(limit))

@@ -2,9 +2,10 @@
 //! upstream calls, the prefill and decode pools, the optional Prometheus handle — and the
 //! background health checks of the pools.
 //!
-//! Invariants: cheap to clone (one `Arc`); the pools are fixed at start (no instance is added or
-//! removed, only taken out of and put back in rotation); the health-check task only flips
-//! `healthy` and ends when its `JoinHandle` is aborted. Every upstream call goes through
+//! Invariants: cheap to clone (one `Arc`); without `--resolve-replicas` the pools are fixed at
+//! start (instances are only taken out of and put back in rotation); with it, each health round
+//! first resolves every configured host name and replaces that URL's instances by one per address
+//! (`Pool::set_resolved`). The health-check task ends when its `JoinHandle` is aborted. Every upstream call goes through
 //! [`ProxyState::upstream`], the one place that puts the proxy's own key (`--upstream-api-key`)
 //! on it; nothing of the client's `Authorization` is ever sent upstream.
 
@@ -15,6 +16,7 @@ use metrics_exporter_prometheus::PrometheusHandle;
 use serde::Serialize;
 
 use crate::config::{ProxyArgs, Settings};
+use crate::discovery;
 use crate::error::ProxyError;
 use crate::pool::{InstanceStatus, Pool, Role};
 use crate::telemetry;
@@ -134,27 +136,55 @@ impl ProxyState {
         })
     }
 
-    /// One round of health checks over every instance, concurrently.
+    /// One round of health checks over every instance, concurrently (after re-resolving the
+    /// configured host names, with `--resolve-replicas`).
     pub async fn check_health_once(&self) {
         let timeout = self.settings().health_check_timeout;
-        let checks = self
+        if self.settings().resolve_replicas {
+            self.resolve_replicas(timeout).await;
+        }
+        let instances: Vec<_> = self
             .pool(Role::Prefill)
             .instances()
-            .iter()
+            .into_iter()
             .chain(self.pool(Role::Decode).instances())
-            .map(|instance| async move {
-                let url = format!("{}/health", instance.url());
-                let check = self.upstream(self.client().get(&url)).timeout(timeout);
-                let healthy = match check.send().await {
-                    Ok(response) => response.status().is_success(),
-                    Err(e) => {
-                        tracing::debug!(%url, error = %e, "health check failed");
-                        false
-                    }
-                };
-                instance.set_healthy(healthy);
-            });
+            .collect();
+        let checks = instances.iter().map(|instance| async move {
+            let url = format!("{}/health", instance.url());
+            let check = self.upstream(self.client().get(&url)).timeout(timeout);
+            let healthy = match check.send().await {
+                Ok(response) => response.status().is_success(),
+                Err(e) => {
+                    tracing::debug!(%url, error = %e, "health check failed");
+                    false
+                }
+            };
+            instance.set_healthy(healthy);
+        });
         futures::future::join_all(checks).await;
+    }
+
+    /// Resolves every configured URL's host to all its addresses and makes each address an
+    /// instance of its role. A lookup that fails or finds nothing leaves that URL's instances as
+    /// they were (a service whose replicas are all down may vanish from DNS for a while).
+    async fn resolve_replicas(&self, timeout: std::time::Duration) {
+        for role in [Role::Prefill, Role::Decode] {
+            let pool = self.pool(role);
+            for source in pool.sources() {
+                match tokio::time::timeout(timeout, discovery::resolve_all(source)).await {
+                    Ok(Ok(urls)) if !urls.is_empty() => {
+                        pool.set_resolved(source, &urls);
+                    }
+                    Ok(Ok(_)) => {
+                        tracing::debug!(%source, "no address resolved; keeping the instances")
+                    }
+                    Ok(Err(e)) => {
+                        tracing::debug!(%source, error = %e, "lookup failed; keeping the instances")
+                    }
+                    Err(_) => tracing::debug!(%source, "lookup timed out; keeping the instances"),
+                }
+            }
+        }
     }
 
     pub(crate) fn settings(&self) -> &Settings {

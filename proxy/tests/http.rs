@@ -685,3 +685,59 @@ async fn serve_with_runs_health_checks_and_stops_on_shutdown() {
         "no longer listening"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resolved_replicas_and_the_dashboard() {
+    let (p, d) = fakes().await;
+    // The decode instance named by host name: the health round resolves it to its address.
+    let port = d.url.rsplit(':').next().unwrap().to_owned();
+    let mut a = args(&[&p.url], &[&format!("http://localhost:{port}")]);
+    a.resolve_replicas = true;
+    a.api_key = Some("sk-dashboard".parse().unwrap());
+    let proxy = start_proxy(a, Some(prometheus())).await;
+    proxy.state.check_health_once().await;
+    let status = proxy.state.status();
+    let resolved = format!("http://127.0.0.1:{port}");
+    assert!(
+        status.decode.iter().any(|i| i.url == resolved && i.healthy),
+        "{status:?}"
+    );
+    assert!(status.decode.iter().all(|i| !i.url.contains("localhost")));
+    assert!(status.is_ready());
+
+    // The page and its summary are open like /metrics, the page allows nothing external.
+    let page = client()
+        .get(format!("{}/dashboard", proxy.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(page.status(), 200);
+    let csp = page.headers()["content-security-policy"].to_str().unwrap();
+    assert!(csp.starts_with("default-src 'none'"), "{csp}");
+    assert!(page.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/html"));
+    let summary: Value = client()
+        .get(format!("{}/dashboard/summary", proxy.url))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let instances = summary["instances"].as_array().unwrap();
+    assert_eq!(instances.len(), 1 + status.decode.len(), "{summary}");
+    assert_eq!(instances[0]["role"], "prefill");
+    assert_eq!(instances[0]["url"], p.url.as_str());
+    // The fakes have no /metrics: reported, not fatal.
+    assert!(instances.iter().all(|i| i["scraped"] == false), "{summary}");
+    assert!(summary["proxy"]["requests_ok"].is_number(), "{summary}");
+    // Other routes still need the key.
+    let models = client()
+        .get(format!("{}/v1/models", proxy.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(models.status(), 401);
+}

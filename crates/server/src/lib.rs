@@ -1,5 +1,6 @@
 //! The OpenAI-compatible HTTP server of one Tandem instance, and the `tandem` binary's pieces.
 //!
+//! - [`advertise`]: `TANDEM_NIXL_SIDE_CHANNEL_HOST=auto`, an instance's own address and interface.
 //! - [`config`]: `tandem serve`'s flags (each also `TANDEM_*` and TOML).
 //! - [`protocol`]: request and response bodies; [`fields`]: fields beyond them (refused or not).
 //! - [`extract`]: the JSON extractor whose rejections are OpenAI envelopes.
@@ -8,7 +9,9 @@
 //! - [`error`]: the one mapping of errors to HTTP status and envelope.
 //! - [`bench`]: `tandem bench`, a load generator for a running endpoint.
 //! - [`launch`]: loading the model, sizing the KV cache, starting engine and server.
+//! - [`probe`]: `tandem health URL`, the healthcheck of container images without curl.
 
+pub mod advertise;
 pub mod bench;
 pub mod config;
 pub mod error;
@@ -16,6 +19,7 @@ pub mod extract;
 pub mod fields;
 pub mod generate;
 pub mod launch;
+pub mod probe;
 pub mod protocol;
 pub mod routes;
 pub mod state;

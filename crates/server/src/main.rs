@@ -1,5 +1,5 @@
 //! The `tandem` binary: `serve` (one instance), `proxy` (the P/D front), `kv-checksum` (the
-//! checksum definition, from outside).
+//! checksum definition, from outside), `health` (a probe for container healthchecks).
 
 use std::path::PathBuf;
 
@@ -40,6 +40,11 @@ enum Command {
     Bench {
         #[command(flatten)]
         args: tandem_server::bench::BenchArgs,
+    },
+    /// Exit 0 if `GET URL` answers 2xx in time, else print why and exit 1 (container healthchecks).
+    Health {
+        #[command(flatten)]
+        args: tandem_server::probe::HealthArgs,
     },
     /// Print the KV checksums of KV held in a safetensors file, as JSON.
     KvChecksum {
@@ -93,6 +98,11 @@ fn main() -> anyhow::Result<()> {
     // Before any thread exists: the config file becomes environment variables.
     preload_config_file()?;
     let cli = Cli::parse();
+    // Also before any thread: `auto` becomes the address a producer advertises.
+    let advertised = match &cli.command {
+        Command::Serve { .. } => tandem_server::advertise::resolve_auto()?,
+        _ => None,
+    };
     match cli.command {
         Command::KvChecksum {
             input,
@@ -111,12 +121,27 @@ fn main() -> anyhow::Result<()> {
         }
         Command::Serve { args, .. } => {
             init_tracing();
+            if let Some(a) = advertised {
+                tracing::info!(ip = %a.ip, ucx_net_devices = ?a.ucx_net_device,
+                    "side channel host: auto resolved to this machine's address");
+            }
             tandem_server::launch::preload(&args)?;
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .build()
                 .context("starting the async runtime")?;
             rt.block_on(tandem_server::launch::serve(args))
+        }
+        Command::Health { args } => {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .context("starting the async runtime")?;
+            if let Err(e) = rt.block_on(tandem_server::probe::run(args)) {
+                eprintln!("unhealthy: {e:#}");
+                std::process::exit(1);
+            }
+            Ok(())
         }
         Command::Bench { args } => {
             let rt = tokio::runtime::Builder::new_multi_thread()

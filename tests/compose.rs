@@ -666,10 +666,12 @@ async fn faults_across_containers() {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    // The claim is an HTTP round trip; the READ comes 3 s after it.
+    // The claim is an HTTP round trip; the READ comes 3 s after it and may take 6 s
+    // (load_timeout). The partition outlasts both: a shorter one only delays the READ (TCP
+    // retransmits once the network is back) and the load arrives.
     tokio::time::sleep(Duration::from_millis(1000)).await;
     run_ok(&mut docker(&["network", "disconnect", &network, &decode]));
-    tokio::time::sleep(Duration::from_secs(6)).await;
+    tokio::time::sleep(Duration::from_secs(12)).await;
     run_ok(&mut docker(&[
         "network", "connect", "--alias", "decode", &network, &decode,
     ]));

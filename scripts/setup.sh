@@ -5,6 +5,7 @@
 #   .tools/prometheus/usr/bin/prometheus      a real Prometheus for the metrics test (Debian's
 #                                             package, unpacked: no service is installed or started)
 #   libclang (Debian), for nixl-sys' bindgen
+#   .tools/python/                             the official openai client (PyPI), for the tests
 #   chromium (Debian), for the dashboard test of the Docker Compose demo (tests/compose.rs), and
 #   docker-compose (Debian) where no Compose tool is installed
 set -euo pipefail
@@ -49,6 +50,11 @@ if [ ! -x "$prom" ]; then
     mkdir -p .tools/prometheus
     dpkg -x "$tmp"/prometheus_*.deb .tools/prometheus
     rm -rf "$tmp"
+fi
+# The official OpenAI client, for tests/openai_client.rs (pinned, with its dependencies).
+if [ ! -e .tools/python/openai/__init__.py ]; then
+    echo "setup: installing the openai Python client (openai==3.57.0, into .tools/python)"
+    python3 -m pip install --quiet --target .tools/python openai==3.57.0
 fi
 if ! command -v chromium >/dev/null 2>&1; then
     echo "setup: installing chromium (Debian), for the dashboard test"

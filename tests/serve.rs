@@ -232,9 +232,21 @@ async fn bad_inputs_get_envelopes_and_break_nothing() {
         raw(r#"{"prompt": 5}"#).await,
         raw(r#"{"prompt": "hi", "max_tokens": "many"}"#).await,
     ];
-    let expected = [400, 400, 422, 422];
-    for ((st, body), want) in cases.iter().zip(expected) {
+    // JSON of the wrong shape is a 400 (vLLM's status) naming the field, in JSON's words
+    let expected = [
+        (400, None),
+        (400, None),
+        (400, Some("prompt")),
+        (400, Some("max_tokens")),
+    ];
+    for ((st, body), (want, param)) in cases.iter().zip(expected) {
         assert_eq!(*st, want, "{body}");
+        assert_eq!(body["error"]["param"].as_str(), param, "{body}");
+        let message = body["error"]["message"].as_str().unwrap();
+        assert!(
+            !message.contains("usize") && !message.contains("untagged"),
+            "{message}"
+        );
         let e = &body["error"];
         for k in ["message", "type", "param", "code"] {
             assert!(e.get(k).is_some(), "envelope lacks {k}: {body}");
@@ -557,6 +569,12 @@ async fn n_choices_logprobs_and_seeded_sampling() {
         assert!(lp["token_logprobs"][0].as_f64().unwrap() <= 0.0);
     }
     assert_eq!(a["usage"]["completion_tokens"], 24);
+    // a negative seed is a seed too (vLLM accepts any 64-bit integer)
+    let neg = json!({"prompt": PROMPTS[3], "max_tokens": 8, "temperature": 0.8, "seed": -7});
+    let (st, x) = post(&s, "/v1/completions", neg.clone()).await;
+    assert_eq!(st, 200, "{x}");
+    let (_, y) = post(&s, "/v1/completions", neg).await;
+    assert_eq!(x["choices"][0]["text"], y["choices"][0]["text"]);
 }
 
 /// OpenAI's and vLLM's sampling controls change the output as they say: `logit_bias` forces or
@@ -730,4 +748,38 @@ async fn idle_sockets_over_the_limit_do_not_stop_health() {
         .unwrap_or(0.0);
     assert!(open > 0.0, "connections over the limit were turned away");
     drop(idle);
+}
+
+/// Logs to a file carry no ANSI colour codes; `--log-format json` (here through its environment
+/// variable) writes one JSON object per line with the level and the message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logs_are_plain_off_a_terminal_and_json_on_request() {
+    let text = Server::serve(&[]);
+    let (st, _) = post(
+        &text,
+        "/v1/completions",
+        json!({"prompt": "hi", "max_tokens": 1}),
+    )
+    .await;
+    assert_eq!(st, 200);
+    let log = text.log_text();
+    assert!(log.contains("INFO"), "{log}");
+    assert!(
+        !log.contains('\u{1b}'),
+        "colour codes in a log file: {log:?}"
+    );
+    drop(text);
+
+    common::require_model();
+    let json_log = Server::start("serve", &[], &[("TANDEM_LOG_FORMAT", "json")]);
+    let log = json_log.log_text();
+    let lines: Vec<&str> = log.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert!(!lines.is_empty());
+    for line in &lines {
+        let v: Value =
+            serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
+        assert!(v["level"].is_string() && v["message"].is_string(), "{line}");
+        assert!(v["timestamp"].is_string(), "{line}");
+    }
+    assert!(lines.iter().any(|l| l.contains("\"INFO\"")), "{lines:?}");
 }

@@ -17,6 +17,9 @@
 //! | `kv_checksum_fail_closed` | bool | `false` |
 //! | `kv_fault_injection` | object (kept as JSON for the fault-injecting connector) | none |
 //! | `kv_connector_extra_config` | object, keys below | `{}` |
+//! | vLLM's `kv_rank`, `kv_parallel_size`, `kv_ip`, `kv_port`, `kv_buffer_size` | checked, then ignored with a logged note: the NIXL connector sets up its own transfers | none |
+//! | vLLM's `kv_buffer_device` | `"cpu"` (KV in host memory); anything else is an error | `"cpu"` |
+//! | vLLM's `kv_connector_module_path` | `null` or `""`; a module path is an error (no Python connectors) | none |
 //!
 //! `kv_connector_extra_config`:
 //!
@@ -61,7 +64,20 @@ pub const MAX_DURATION: Duration = Duration::from_secs(24 * 3600);
 /// Longest `engine_id`; it travels in every `kv_transfer_params`.
 pub const MAX_ENGINE_ID_LEN: usize = 128;
 
-const TOP_KEYS: [&str; 9] = [
+/// vLLM's other `kv_transfer_config` keys: accepted for configs written for vLLM, checked, and
+/// either inapplicable to the NIXL connector (a note says so) or refused when their value asks
+/// for what Tandem cannot do (see [`vllm_key_notes`]).
+const VLLM_KEYS: [&str; 7] = [
+    "kv_buffer_device",
+    "kv_rank",
+    "kv_parallel_size",
+    "kv_ip",
+    "kv_port",
+    "kv_buffer_size",
+    "kv_connector_module_path",
+];
+
+const TOP_KEYS: [&str; 16] = [
     "kv_connector",
     "kv_role",
     "engine_id",
@@ -71,6 +87,13 @@ const TOP_KEYS: [&str; 9] = [
     "enable_kv_checksum",
     "kv_checksum_fail_closed",
     "kv_fault_injection",
+    "kv_buffer_device",
+    "kv_rank",
+    "kv_parallel_size",
+    "kv_ip",
+    "kv_port",
+    "kv_buffer_size",
+    "kv_connector_module_path",
 ];
 const EXTRA_KEYS: [&str; 8] = [
     "side_channel_host",
@@ -213,6 +236,8 @@ pub struct KvTransferConfig {
     pub kv_checksum_fail_closed: bool,
     /// The fault-injecting connector's settings, uninterpreted here.
     pub kv_fault_injection: Option<Value>,
+    /// One line per vLLM key that was given but does not apply to this connector (to log).
+    pub notes: Vec<String>,
 }
 
 fn invalid(msg: impl Into<String>) -> KvConnectorError {
@@ -318,6 +343,7 @@ impl KvTransferConfig {
             )));
         };
         check_keys(obj, &TOP_KEYS, "kv_transfer_config")?;
+        let notes = vllm_key_notes(obj)?;
 
         let kv_connector = get_str(obj, "kv_connector")?
             .ok_or_else(|| invalid(format!("kv_connector is required (\"{NIXL_CONNECTOR}\")")))?;
@@ -393,6 +419,7 @@ impl KvTransferConfig {
             enable_kv_checksum: get_bool(obj, "enable_kv_checksum")?.unwrap_or(false),
             kv_checksum_fail_closed: get_bool(obj, "kv_checksum_fail_closed")?.unwrap_or(false),
             kv_fault_injection,
+            notes,
         })
     }
 
@@ -439,6 +466,84 @@ impl KvTransferConfig {
         }
         v
     }
+}
+
+fn get_int(
+    obj: &Map<String, Value>,
+    key: &str,
+    min: u64,
+    max: u64,
+) -> Result<Option<u64>, KvConnectorError> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => match v.as_u64().filter(|n| (min..=max).contains(n)) {
+            Some(n) => Ok(Some(n)),
+            None => Err(invalid(format!(
+                "{key} must be an integer from {min} to {max}, got {v}"
+            ))),
+        },
+    }
+}
+
+/// Checks vLLM's keys that Tandem's NIXL connector has no use for ([`VLLM_KEYS`]): a value of the
+/// wrong type, or one asking for what cannot be honoured (KV in GPU memory on this CPU build, a
+/// Python connector module), is an error; the others are accepted with a note each, since the
+/// NIXL connector sets up its own transfer (vLLM's NixlConnector ignores them too).
+fn vllm_key_notes(obj: &Map<String, Value>) -> Result<Vec<String>, KvConnectorError> {
+    let mut notes = Vec::new();
+    let given = |k: &str| !matches!(obj.get(k), None | Some(Value::Null));
+    if let Some(device) = get_str(obj, "kv_buffer_device")? {
+        if device != "cpu" {
+            return Err(invalid(format!(
+                "kv_buffer_device {device:?} cannot be honoured: this build keeps the KV cache in \
+                 host memory; use \"cpu\" or leave the key out"
+            )));
+        }
+    }
+    if let Some(path) = get_str(obj, "kv_connector_module_path")? {
+        if !path.is_empty() {
+            return Err(invalid(format!(
+                "kv_connector_module_path {path:?} cannot be honoured: Tandem loads no Python \
+                 connector modules; the connector is \"{NIXL_CONNECTOR}\""
+            )));
+        }
+    }
+    let rank = get_int(obj, "kv_rank", 0, u32::MAX as u64)?;
+    let size = get_int(obj, "kv_parallel_size", 1, u32::MAX as u64)?;
+    if let (Some(r), Some(n)) = (rank, size) {
+        if r >= n {
+            return Err(invalid(format!(
+                "kv_rank {r} must be below kv_parallel_size {n}"
+            )));
+        }
+    }
+    get_str(obj, "kv_ip")?;
+    get_int(obj, "kv_port", 0, u16::MAX as u64)?;
+    match obj.get("kv_buffer_size") {
+        None | Some(Value::Null) => {}
+        Some(v) if v.as_f64().is_some_and(|n| n > 0.0 && n.is_finite()) => {}
+        Some(v) => {
+            return Err(invalid(format!(
+                "kv_buffer_size must be a number of bytes greater than 0, got {v}"
+            )))
+        }
+    }
+    for key in [
+        "kv_rank",
+        "kv_parallel_size",
+        "kv_ip",
+        "kv_port",
+        "kv_buffer_size",
+    ] {
+        if given(key) {
+            notes.push(format!(
+                "kv_transfer_config key {key} does not apply to {NIXL_CONNECTOR} (it sets up \
+                 its own transfers: side_channel_host and the HTTP port) and is ignored"
+            ));
+        }
+    }
+    debug_assert!(VLLM_KEYS.iter().all(|k| TOP_KEYS.contains(k)));
+    Ok(notes)
 }
 
 fn parse_extra(
@@ -613,8 +718,8 @@ mod tests {
 
     #[test]
     fn unknown_keys_are_listed_with_the_known_ones() {
-        let e = err(r#"{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_buffer_size":1}"#);
-        assert!(e.contains("\"kv_buffer_size\""), "{e}");
+        let e = err(r#"{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_buffer_sz":1}"#);
+        assert!(e.contains("\"kv_buffer_sz\""), "{e}");
         assert!(
             e.contains("known keys: kv_connector, kv_role, engine_id"),
             "{e}"
@@ -623,6 +728,62 @@ mod tests {
                 "kv_connector_extra_config":{"lease":3}}"#);
         assert!(e.contains("\"lease\" in kv_connector_extra_config"), "{e}");
         assert!(e.contains("kv_lease_duration"), "{e}");
+    }
+
+    #[test]
+    fn vllm_keys_are_noted_or_refused_when_they_cannot_be_honoured() {
+        let base = r#""kv_connector":"NixlConnector","kv_role":"kv_consumer""#;
+        let c = KvTransferConfig::parse(&format!(
+            r#"{{{base},"kv_buffer_device":"cpu","kv_rank":1,"kv_parallel_size":2,
+                "kv_ip":"10.0.0.1","kv_port":14579,"kv_buffer_size":1e9,
+                "kv_connector_module_path":null}}"#
+        ))
+        .unwrap();
+        assert_eq!(c.notes.len(), 5, "{:?}", c.notes);
+        for key in [
+            "kv_rank",
+            "kv_parallel_size",
+            "kv_ip",
+            "kv_port",
+            "kv_buffer_size",
+        ] {
+            assert!(
+                c.notes.iter().any(|n| n.contains(key)),
+                "{key}: {:?}",
+                c.notes
+            );
+        }
+        let plain = KvTransferConfig::parse(&format!("{{{base}}}")).unwrap();
+        assert!(plain.notes.is_empty());
+        for (extra, names) in [
+            (
+                r#""kv_buffer_device":"cuda""#,
+                "kv_buffer_device \"cuda\" cannot be honoured",
+            ),
+            (
+                r#""kv_buffer_device":3"#,
+                "kv_buffer_device must be a string",
+            ),
+            (
+                r#""kv_connector_module_path":"my.connector""#,
+                "kv_connector_module_path",
+            ),
+            (
+                r#""kv_rank":2,"kv_parallel_size":2"#,
+                "kv_rank 2 must be below",
+            ),
+            (r#""kv_rank":-1"#, "kv_rank must be an integer"),
+            (
+                r#""kv_parallel_size":0"#,
+                "kv_parallel_size must be an integer",
+            ),
+            (r#""kv_port":70000"#, "kv_port must be an integer"),
+            (r#""kv_ip":5"#, "kv_ip must be a string"),
+            (r#""kv_buffer_size":-1"#, "kv_buffer_size must be"),
+        ] {
+            let e = err(&format!("{{{base},{extra}}}"));
+            assert!(e.contains(names), "{extra}: {e}");
+        }
     }
 
     #[test]

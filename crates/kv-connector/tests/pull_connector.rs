@@ -881,12 +881,12 @@ fn config_parsing_and_the_constructor() {
     assert_eq!(c.kv_load_failure_policy, LoadFailurePolicy::Fail);
     assert!(!c.progress_thread());
     let e = KvTransferConfig::parse(
-        r#"{"kv_connector":"NixlConnector","kv_role":"kv_consumer","kv_ip":"1.2.3.4"}"#,
+        r#"{"kv_connector":"NixlConnector","kv_role":"kv_consumer","kv_address":"1.2.3.4"}"#,
     )
     .unwrap_err();
     assert!(matches!(e, KvConnectorError::InvalidConfig(_)));
     assert!(
-        e.to_string().contains("\"kv_ip\"") && e.to_string().contains("known keys"),
+        e.to_string().contains("\"kv_address\"") && e.to_string().contains("known keys"),
         "{e}"
     );
     let e = KvTransferConfig::parse(r#"{"kv_connector":"NixlConnector","kv_role":"decode"}"#)

@@ -18,8 +18,6 @@ pub enum ApiError {
         message: String,
         param: Option<String>,
     },
-    #[error("{0}")]
-    Unprocessable(String),
     #[error("The model `{0}` does not exist.")]
     ModelNotFound(String),
     #[error("request body too large: {0}")]
@@ -43,9 +41,6 @@ impl ApiError {
         match self {
             ApiError::BadRequest { param, .. } => {
                 (StatusCode::BAD_REQUEST, "BadRequestError", param.clone())
-            }
-            ApiError::Unprocessable(_) => {
-                (StatusCode::UNPROCESSABLE_ENTITY, "BadRequestError", None)
             }
             ApiError::ModelNotFound(_) => {
                 (StatusCode::NOT_FOUND, "NotFoundError", Some("model".into()))

@@ -320,11 +320,14 @@ pub fn listen_host(args: &ServeArgs) -> anyhow::Result<String> {
 /// Work that must happen before any thread exists: loading NIXL (it may set UCX's environment).
 pub fn preload(args: &ServeArgs) -> anyhow::Result<()> {
     if let Some(cfg) = parse_transfer_config(args)? {
+        for note in &cfg.notes {
+            tracing::warn!("{note}");
+        }
         let lib = tandem_kv_connector::nixl::load_nixl(
             cfg.kv_connector_extra_config.nixl_lib_dir.as_deref(),
         )
         .context("--kv-transfer-config needs NIXL")?;
-        eprintln!("NIXL library: {}", lib.path.display());
+        tracing::info!(path = %lib.path.display(), "NIXL library loaded");
     }
     Ok(())
 }

@@ -16,6 +16,16 @@ use tandem_server::config::{apply_toml_file, ServeArgs};
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Log lines as text (colours only on a terminal, never with NO_COLOR set) or as one JSON
+    /// object per line. The level and filters come from RUST_LOG (default `info`).
+    #[arg(long, global = true, env = "TANDEM_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum LogFormat {
+    Text,
+    Json,
 }
 
 #[derive(Subcommand, Debug)]
@@ -85,13 +95,26 @@ fn preload_config_file() -> anyhow::Result<()> {
     Ok(())
 }
 
-fn init_tracing() {
+/// Logs go to stdout; ANSI colours only when stdout is a terminal and `NO_COLOR` is unset or
+/// empty (<https://no-color.org>).
+fn init_tracing(format: LogFormat) {
+    use std::io::IsTerminal;
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt()
+    let no_color = std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty());
+    let ansi = std::io::stdout().is_terminal() && !no_color;
+    let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_target(false)
-        .init();
+        .with_target(false);
+    match format {
+        LogFormat::Text => builder.with_ansi(ansi).init(),
+        LogFormat::Json => builder
+            .json()
+            .flatten_event(true)
+            .with_current_span(false)
+            .with_span_list(false)
+            .init(),
+    }
 }
 
 fn main() -> anyhow::Result<()> {
@@ -120,7 +143,7 @@ fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Command::Serve { args, .. } => {
-            init_tracing();
+            init_tracing(cli.log_format);
             if let Some(a) = advertised {
                 tracing::info!(ip = %a.ip, ucx_net_devices = ?a.ucx_net_device,
                     "side channel host: auto resolved to this machine's address");
@@ -151,7 +174,7 @@ fn main() -> anyhow::Result<()> {
             rt.block_on(tandem_server::bench::run(args))
         }
         Command::Proxy { args, .. } => {
-            init_tracing();
+            init_tracing(cli.log_format);
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .build()

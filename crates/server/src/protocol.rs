@@ -54,7 +54,8 @@ pub struct CommonParams {
     pub stream_options: Option<StreamOptions>,
     pub stop: Option<StringOrList>,
     pub stop_token_ids: Option<Vec<u32>>,
-    pub seed: Option<u64>,
+    /// Any 64-bit integer; a negative one is accepted as vLLM does (its two's complement).
+    pub seed: Option<i64>,
     pub min_tokens: Option<usize>,
     #[serde(default)]
     pub ignore_eos: bool,

@@ -192,7 +192,7 @@ fn sampling_params(
         temperature: c.temperature.unwrap_or(1.0),
         top_p: c.top_p.unwrap_or(1.0),
         top_k: c.top_k.unwrap_or(0),
-        seed: c.seed,
+        seed: c.seed.map(|s| s as u64),
         max_tokens,
         min_tokens: c.min_tokens.unwrap_or(0),
         ignore_eos: c.ignore_eos,

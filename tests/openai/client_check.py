@@ -1,0 +1,122 @@
+"""Drives a Tandem endpoint (an instance or the P/D proxy) with the official `openai` client, as a
+vLLM user would, and checks what comes back. Run by tests/openai_client.rs; exits non-zero with the
+first failed check.
+
+Usage: python3 tests/openai/client_check.py BASE_URL [API_KEY]
+"""
+
+import sys
+
+import openai
+from openai import OpenAI
+
+
+def check(cond, what):
+    if not cond:
+        raise AssertionError(what)
+
+
+def expect_error(kind, call, param=None):
+    try:
+        call()
+    except kind as e:
+        body = e.body if isinstance(e.body, dict) else {}
+        if param is not None:
+            check(body.get("param") == param, f"{kind.__name__}: param {body!r}, want {param!r}")
+        return e
+    raise AssertionError(f"expected {kind.__name__}")
+
+
+def token_ids(choice):
+    extra = choice.model_extra or {}
+    ids = extra.get("token_ids")
+    check(isinstance(ids, list), f"no token_ids in {choice!r}")
+    return ids
+
+
+def main():
+    base = sys.argv[1]
+    key = sys.argv[2] if len(sys.argv) > 2 else "unused"
+    client = OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=300)
+
+    if len(sys.argv) > 2:
+        wrong = OpenAI(base_url=f"{base}/v1", api_key="wrong-key", max_retries=0)
+        expect_error(openai.AuthenticationError, lambda: wrong.models.list())
+
+    models = client.models.list().data
+    check(len(models) >= 1, "no model listed")
+    model = models[0].id
+
+    messages = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0)
+    text = chat.choices[0].message.content
+    check(chat.choices[0].message.role == "assistant", "role")
+    check(text and text.strip(), f"chat answer: {text!r}")
+    check(chat.choices[0].finish_reason in ("stop", "length"), chat.choices[0].finish_reason)
+    check(chat.usage.prompt_tokens > 0 and chat.usage.completion_tokens > 0, chat.usage)
+
+    # streaming, with usage in the last chunk: the same text as the plain call
+    pieces, usage = [], None
+    for chunk in client.chat.completions.create(
+        model=model, messages=messages, max_tokens=16, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    ):
+        if chunk.choices:
+            pieces.append(chunk.choices[0].delta.content or "")
+        if chunk.usage:
+            usage = chunk.usage
+    check("".join(pieces) == text, f"stream {''.join(pieces)!r} != {text!r}")
+    check(usage is not None and usage.completion_tokens == chat.usage.completion_tokens, usage)
+
+    # completions: logprobs, n, stop, seed
+    c = client.completions.create(model=model, prompt="The capital of France is", max_tokens=6,
+                                  temperature=0, logprobs=2)
+    lp = c.choices[0].logprobs
+    check(len(lp.tokens) == 6 and all(len(t) == 2 for t in lp.top_logprobs), lp)
+    check(all(x <= 0 for x in lp.token_logprobs), lp.token_logprobs)
+    c = client.completions.create(model=model, prompt="Count: one, two,", max_tokens=8,
+                                  temperature=0.9, seed=11, n=2)
+    check(len(c.choices) == 2 and {x.index for x in c.choices} == {0, 1}, c.choices)
+    again = client.completions.create(model=model, prompt="Count: one, two,", max_tokens=8,
+                                      temperature=0.9, seed=11, n=2)
+    check([x.text for x in c.choices] == [x.text for x in again.choices], "seeded sampling")
+    c = client.completions.create(model=model, prompt="List three colors:\n1.", max_tokens=32,
+                                  temperature=0, stop=["\n"])
+    check("\n" not in c.choices[0].text and c.choices[0].finish_reason == "stop", c.choices[0])
+
+    # sampling controls change the output as they say
+    forced = client.completions.create(model=model, prompt="Hello", max_tokens=5, temperature=0,
+                                       logit_bias={"504": 100}, extra_body={"return_token_ids": True})
+    check(token_ids(forced.choices[0]) == [504] * 5, token_ids(forced.choices[0]))
+    loop = "one one one one one one one one one one"
+    plain = client.completions.create(model=model, prompt=loop, max_tokens=12, temperature=0,
+                                      extra_body={"return_token_ids": True})
+    varied = client.completions.create(model=model, prompt=loop, max_tokens=12, temperature=0,
+                                       frequency_penalty=2.0, presence_penalty=1.0,
+                                       extra_body={"return_token_ids": True})
+    check(len(set(token_ids(varied.choices[0]))) > len(set(token_ids(plain.choices[0]))),
+          f"penalties: {varied.choices[0].text!r} vs {plain.choices[0].text!r}")
+    rep = client.completions.create(model=model, prompt=loop, max_tokens=12, temperature=0,
+                                    extra_body={"repetition_penalty": 1.5, "return_token_ids": True})
+    check(token_ids(rep.choices[0]) != token_ids(plain.choices[0]), "repetition_penalty")
+
+    # errors, by exception type, naming the field
+    expect_error(openai.NotFoundError, lambda: client.completions.create(
+        model="no-such-model", prompt="hi", max_tokens=2), param="model")
+    expect_error(openai.BadRequestError, lambda: client.completions.create(
+        model=model, prompt="hi", max_tokens=2, temperature=-1), param="temperature")
+    expect_error(openai.BadRequestError, lambda: client.chat.completions.create(
+        model=model, messages=messages, max_tokens=2, response_format={"type": "json_object"}),
+        param="response_format")
+    expect_error(openai.BadRequestError, lambda: client.completions.create(
+        model=model, prompt="hi", max_tokens=2, logit_bias={"99999999": 5}), param="logit_bias")
+    expect_error(openai.BadRequestError, lambda: client.completions.create(
+        model=model, prompt="hi", max_tokens=2, extra_body={"min_tokens": "two"}),
+        param="min_tokens")
+    expect_error(openai.BadRequestError, lambda: client.completions.create(
+        model=model, prompt="hi " * 20000, max_tokens=2))
+    print("openai client checks passed against", base)
+
+
+if __name__ == "__main__":
+    main()

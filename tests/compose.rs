@@ -285,24 +285,8 @@ impl Deployment {
 
     /// The value of a Prometheus instant query that yields at most one series.
     async fn prometheus(&self, query: &str) -> Option<f64> {
-        let v: Value = client()
-            .get(format!(
-                "http://127.0.0.1:{}/api/v1/query",
-                self.prometheus_port
-            ))
-            .query(&[("query", query)])
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        assert_eq!(v["status"], "success", "{query}: {v}");
-        let result = v["data"]["result"].as_array().unwrap();
-        assert!(result.len() <= 1, "{query} yields several series: {v}");
-        result
-            .first()
-            .map(|s| s["value"][1].as_str().unwrap().parse().unwrap())
+        let base = format!("http://127.0.0.1:{}", self.prometheus_port);
+        common::prometheus_query(&base, query).await
     }
 
     /// Waits until Prometheus answers `want` to `query` (scrapes come every 2 s).

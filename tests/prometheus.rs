@@ -94,21 +94,7 @@ impl Prometheus {
 
     /// The value of an instant query that yields one series (None when it yields none).
     async fn value(&self, query: &str) -> Option<f64> {
-        let v: Value = reqwest::Client::new()
-            .get(format!("{}/api/v1/query", self.base))
-            .query(&[("query", query)])
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        assert_eq!(v["status"], "success", "{query}: {v}");
-        let result = v["data"]["result"].as_array().unwrap();
-        assert!(result.len() <= 1, "{query} yields several series: {v}");
-        result
-            .first()
-            .map(|s| s["value"][1].as_str().unwrap().parse().unwrap())
+        common::prometheus_query(&self.base, query).await
     }
 
     /// Waits until `query` equals `want` (the scrape after the last request may lag a second).

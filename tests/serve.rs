@@ -22,6 +22,11 @@ async fn post(s: &Server, path: &str, body: Value) -> (u16, Value) {
     (status, r.json().await.unwrap_or(Value::Null))
 }
 
+async fn get_json(s: &Server, path: &str) -> Value {
+    let r = client().get(s.url(path)).send().await.unwrap();
+    r.json().await.unwrap()
+}
+
 async fn complete_ids(s: &Server, prompt: &str, max_tokens: usize) -> Vec<u64> {
     let (st, body) = post(
         s,
@@ -467,23 +472,9 @@ async fn tokenize_detokenize_version_models_and_request_ids() {
         assert!(st == 400 || st == 404, "{path}: {st} {e}");
         assert_eq!(e["error"]["param"], json!(param), "{e}");
     }
-    let v: Value = client()
-        .get(s.url("/version"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let v = get_json(&s, "/version").await;
     assert!(v["version"].as_str().is_some_and(|v| !v.is_empty()), "{v}");
-    let m: Value = client()
-        .get(s.url("/v1/models"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let m = get_json(&s, "/v1/models").await;
     let card = &m["data"][0];
     assert!(card["root"].as_str().unwrap().ends_with(".gguf"), "{card}");
     let now = std::time::SystemTime::now()

@@ -259,3 +259,23 @@ pub async fn prefill_params(producer: &Server, prompt: &str) -> serde_json::Valu
     assert_eq!(p["do_remote_prefill"], true, "{v}");
     p
 }
+
+/// The value of a Prometheus instant query at `base` (`http://host:port`) that yields at most one
+/// series (None when it yields none).
+pub async fn prometheus_query(base: &str, query: &str) -> Option<f64> {
+    let v: serde_json::Value = reqwest::Client::new()
+        .get(format!("{base}/api/v1/query"))
+        .query(&[("query", query)])
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(v["status"], "success", "{query}: {v}");
+    let result = v["data"]["result"].as_array().unwrap();
+    assert!(result.len() <= 1, "{query} yields several series: {v}");
+    result
+        .first()
+        .map(|s| s["value"][1].as_str().unwrap().parse().unwrap())
+}

@@ -54,7 +54,7 @@ fi
 # The official OpenAI client, for tests/openai_client.rs (pinned, with its dependencies).
 if [ ! -e .tools/python/openai/__init__.py ]; then
     echo "setup: installing the openai Python client (openai==3.57.0, into .tools/python)"
-    python3 -m pip install --quiet --target .tools/python openai==3.57.0
+    python3 -m pip install --quiet --no-warn-conflicts --target .tools/python openai==3.57.0
 fi
 if ! command -v chromium >/dev/null 2>&1; then
     echo "setup: installing chromium (Debian), for the dashboard test"

@@ -267,10 +267,13 @@ impl Sampler {
             }
         }
         if p.repetition_penalty != 1.0 {
-            let seen = self.context.iter().chain(self.output_counts.keys());
-            let mut done = HashSet::new();
-            for &t in seen {
-                if let (true, Some(v)) = (done.insert(t), l.get_mut(t as usize)) {
+            // each seen token once: the context, then output tokens the context lacks
+            let output_only = self
+                .output_counts
+                .keys()
+                .filter(|t| !self.context.contains(t));
+            for &t in self.context.iter().chain(output_only) {
+                if let Some(v) = l.get_mut(t as usize) {
                     *v = if *v > 0.0 {
                         *v / p.repetition_penalty
                     } else {

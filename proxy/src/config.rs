@@ -28,6 +28,20 @@ const DEFAULT_HEALTH_CHECK_INTERVAL_SECS: f64 = 5.0;
 const DEFAULT_HEALTH_CHECK_TIMEOUT_SECS: f64 = 2.0;
 const DEFAULT_MAX_BODY_BYTES: usize = 32 * 1024 * 1024;
 
+/// How the KV moves between the proxy's instances; one deployment is one mode, and the
+/// instances refuse requests of the other mode (their `kv_connector` decides theirs).
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KvMode {
+    /// Prefill first; the decode instance READs the KV the producer's answer names
+    /// (`NixlConnector`).
+    #[default]
+    Pull,
+    /// Prefill and decode at once, with one transfer id; the producer WRITEs the KV into the
+    /// blocks the decode instance registered (`NixlPushConnector`).
+    Push,
+}
+
 /// Settings of the P/D proxy (`tandem proxy`).
 ///
 /// Each flag also reads the environment variable named beside it, and the same field names
@@ -42,6 +56,10 @@ pub struct ProxyArgs {
     /// Port the proxy listens on.
     #[arg(long, env = "TANDEM_PROXY_PORT", default_value_t = DEFAULT_PORT)]
     pub port: u16,
+
+    /// How KV moves: `pull` (instances with `NixlConnector`) or `push` (`NixlPushConnector`).
+    #[arg(long, env = "TANDEM_PROXY_KV_MODE", value_enum, default_value_t = KvMode::Pull)]
+    pub kv_mode: KvMode,
 
     /// Base URL of a prefill instance (`kv_producer`), e.g. `http://127.0.0.1:8100`.
     /// Repeat the flag for several instances; the env var takes a comma-separated list.
@@ -130,6 +148,7 @@ impl Default for ProxyArgs {
         Self {
             host: DEFAULT_HOST.to_owned(),
             port: DEFAULT_PORT,
+            kv_mode: KvMode::Pull,
             prefill: Vec::new(),
             decode: Vec::new(),
             connect_timeout_secs: DEFAULT_CONNECT_TIMEOUT_SECS,
@@ -151,6 +170,7 @@ impl Default for ProxyArgs {
 /// The validated, typed form of [`ProxyArgs`] that the rest of the crate reads.
 #[derive(Debug, Clone)]
 pub(crate) struct Settings {
+    pub kv_mode: KvMode,
     pub prefill: Vec<String>,
     pub decode: Vec<String>,
     pub connect_timeout: Duration,
@@ -172,6 +192,7 @@ impl ProxyArgs {
     /// Checks the configuration and returns its typed form.
     pub(crate) fn validate(&self) -> Result<Settings, ProxyError> {
         Ok(Settings {
+            kv_mode: self.kv_mode,
             prefill: urls("prefill", &self.prefill)?,
             decode: urls("decode", &self.decode)?,
             connect_timeout: secs("connect_timeout_secs", self.connect_timeout_secs)?,

@@ -12,6 +12,11 @@
 //!    with an error event and `data: [DONE]` (`error::mid_stream_error_event`); any other body
 //!    that breaks is cut (the client sees a truncated answer).
 //!
+//! With `--kv-mode push`, steps 2 and 3 start together (`push_request`): both calls carry one new
+//! transfer id, the decode instance registers its blocks with the producer, and the producer
+//! WRITEs the KV into them; the prefill's connect is not retried on another instance (the decode
+//! call already names it).
+//!
 //! Invariants: one `X-Request-Id` (the client's, else a new UUID) goes on both upstream calls and
 //! on the answer. Upstream calls carry the proxy's own key (`ProxyState::upstream`), never the
 //! client's `Authorization`. A failed *connect* (nothing sent) marks the instance unhealthy and is retried
@@ -36,12 +41,13 @@ use futures::{Stream, StreamExt};
 use serde_json::{Map, Value};
 use tracing::Instrument;
 
+use crate::config::KvMode;
 use crate::error::{is_openai_error, mid_stream_error_event, ProxyError};
 use crate::pool::{Instance, Lease, Role};
 use crate::release::spawn_release;
 use crate::request::{
     decode_body, kv_transfer_params, parse_client_body, prefill_body, validate_client_body,
-    ClientBody, KvParamsError, X_REQUEST_ID,
+    ClientBody, KvParamsError, KV_TRANSFER_PARAMS, X_REQUEST_ID,
 };
 use crate::state::ProxyState;
 use crate::telemetry;
@@ -80,6 +86,7 @@ impl Route {
 }
 
 /// What one client request carries into its upstream calls.
+#[derive(Clone)]
 struct Ctx {
     state: ProxyState,
     route: Route,
@@ -201,11 +208,17 @@ async fn pd_request(
         return Err(ProxyError::NoHealthyInstance { role: Role::Decode });
     }
 
+    if ctx.state.settings().kv_mode == KvMode::Push {
+        return push_request(ctx, client_body).await;
+    }
     let prefill = prefill_body(&client_body);
     let (producer, kv) = with_connect_retry(&ctx.state, Role::Prefill, |lease| {
         prefill_once(ctx, lease, &prefill)
     })
     .await?;
+    let kv = kv.ok_or_else(|| ProxyError::MissingKvTransferParams {
+        url: producer.clone(),
+    })?;
     telemetry::prefill_took(ctx.started.elapsed().as_secs_f64());
 
     let decode = decode_body(client_body, kv.clone());
@@ -218,6 +231,98 @@ async fn pd_request(
         spawn_release(&ctx.state, &producer, &ctx.request_id, kv);
     }
     result
+}
+
+/// Push mode: the prefill and the decode call start together, carrying one new transfer id;
+/// the decode instance registers its blocks with the producer, which WRITEs the KV into them
+/// when its prefill is done. The decode instance's answer is the client's.
+///
+/// The prefill runs as its own task. If it fails before the decode instance answered, its
+/// error is the client's and the decode call is dropped (which aborts it upstream); if the
+/// decode call fails first, the prefill is aborted the same way. Once the decode instance
+/// answers, the prefill is left to finish (a late failure is logged: the decode instance then
+/// fails or recomputes its load by policy when its wait ends).
+async fn push_request(ctx: &Ctx, client_body: ClientBody) -> Result<Response, ProxyError> {
+    let transfer_id = uuid::Uuid::new_v4().simple().to_string();
+    let lease = ctx.state.pool(Role::Prefill).acquire(None)?;
+    let producer = lease.instance().clone();
+    let (host, port) = host_port(producer.url()).ok_or_else(|| ProxyError::Config(format!(
+        "prefill URL {} has no host and port a decode instance can reach",
+        producer.url()
+    )))?;
+    let mut prefill = prefill_body(&client_body);
+    if let Some(Value::Object(params)) = prefill.get_mut(KV_TRANSFER_PARAMS) {
+        params.insert("transfer_id".into(), Value::String(transfer_id.clone()));
+    }
+    let mut params = Map::new();
+    params.insert("do_remote_prefill".into(), Value::Bool(true));
+    params.insert("transfer_id".into(), Value::String(transfer_id));
+    params.insert("remote_host".into(), Value::String(host));
+    params.insert("remote_port".into(), Value::from(port));
+    let decode = decode_body(client_body, params);
+
+    let prefill_ctx = ctx.clone();
+    let prefill_task = tokio::spawn(
+        async move {
+            let result = prefill_once(&prefill_ctx, lease, &prefill).await;
+            let result = observe(Role::Prefill, &producer, result);
+            if result.is_ok() {
+                telemetry::prefill_took(prefill_ctx.started.elapsed().as_secs_f64());
+            }
+            result.map(|_| ())
+        }
+        .in_current_span(),
+    );
+    // Aborts the prefill if this request is dropped or fails before the decode answers.
+    let mut prefill_task = AbortOnDrop(Some(prefill_task));
+    let decode_call =
+        with_connect_retry(&ctx.state, Role::Decode, |lease| decode_once(ctx, lease, &decode));
+    tokio::pin!(decode_call);
+    let handle = prefill_task.0.as_mut().expect("set above");
+    tokio::select! {
+        prefilled = handle => {
+            prefill_task.0 = None;
+            match prefilled {
+                Ok(Ok(())) => decode_call.await,
+                Ok(Err(error)) => {
+                    tracing::info!(%error, "push prefill failed; dropping the decode call");
+                    Err(error)
+                }
+                Err(join) => Err(ProxyError::Config(format!("the prefill task ended: {join}"))),
+            }
+        }
+        decoded = &mut decode_call => {
+            if decoded.is_ok() {
+                // Let the prefill finish on its own.
+                if let Some(task) = prefill_task.0.take() {
+                    tokio::spawn(async move {
+                        if let Ok(Err(error)) = task.await {
+                            tracing::warn!(%error, "push prefill failed after the decode instance answered");
+                        }
+                    });
+                }
+            }
+            decoded
+        }
+    }
+}
+
+/// A task aborted when dropped (unless taken out).
+struct AbortOnDrop<T>(Option<tokio::task::JoinHandle<T>>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        if let Some(task) = self.0.take() {
+            task.abort();
+        }
+    }
+}
+
+/// The host and port of a base URL, as a decode instance would address it.
+fn host_port(url: &str) -> Option<(String, u16)> {
+    let url = reqwest::Url::parse(url).ok()?;
+    let host = url.host_str()?.trim_start_matches('[').trim_end_matches(']');
+    Some((host.to_string(), url.port_or_known_default()?))
 }
 
 /// Runs `attempt` on a leased instance of `role`; if it could not connect, takes that instance
@@ -322,12 +427,12 @@ async fn read_capped(mut response: reqwest::Response) -> Result<Bytes, reqwest::
 }
 
 /// One prefill call: the whole exchange within `prefill_timeout`; returns the producer's base
-/// URL and its params.
+/// URL and its params (`None`: its answer carries none, as in push mode).
 async fn prefill_once(
     ctx: &Ctx,
     lease: Lease,
     body: &ClientBody,
-) -> Result<(String, Map<String, Value>), ProxyError> {
+) -> Result<(String, Option<Map<String, Value>>), ProxyError> {
     let instance = lease.instance().clone();
     let limit = ctx.state.settings().prefill_timeout;
     let exchange = async {
@@ -348,16 +453,17 @@ async fn prefill_once(
     if !status.is_success() {
         return Err(error_status(&instance, status, bytes));
     }
-    let params = kv_transfer_params(&bytes).map_err(|e| match e {
-        KvParamsError::Missing => ProxyError::MissingKvTransferParams {
-            url: instance.url().to_owned(),
-        },
-        KvParamsError::NotJson(reason) => ProxyError::InvalidUpstreamResponse {
-            role: Role::Prefill,
-            url: instance.url().to_owned(),
-            reason,
-        },
-    })?;
+    let params = match kv_transfer_params(&bytes) {
+        Ok(params) => Some(params),
+        Err(KvParamsError::Missing) => None,
+        Err(KvParamsError::NotJson(reason)) => {
+            return Err(ProxyError::InvalidUpstreamResponse {
+                role: Role::Prefill,
+                url: instance.url().to_owned(),
+                reason,
+            })
+        }
+    };
     Ok((instance.url().to_owned(), params))
 }
 

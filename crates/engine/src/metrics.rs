@@ -27,6 +27,10 @@ pub const KV_TRANSFER_DESCRIPTORS_TOTAL: &str = "tandem:kv_transfer_descriptors_
 pub const KV_TRANSFER_SECONDS: &str = "tandem:kv_transfer_seconds";
 pub const KV_TRANSFER_FAILURES_TOTAL: &str = "tandem:kv_transfer_failures_total";
 pub const KV_LEASE_EXPIRED_TOTAL: &str = "tandem:kv_lease_expired_total";
+/// Notifications of the connector's protocol that did not decode (push: a completion
+/// notification with a bad checksum payload); their loads end by timeout.
+pub const KV_TRANSFER_FAILED_NOTIFICATIONS_TOTAL: &str =
+    "tandem:kv_transfer_failed_notifications_total";
 pub const KV_LOAD_FAILURES_TOTAL: &str = "tandem:kv_load_failures_total";
 /// Prompt tokens a consumer computes again after failed loads (policy `recompute`), and the
 /// prompt lengths of those loads: their ratio is the share of prompts recomputed.
@@ -118,6 +122,10 @@ pub fn describe() {
     describe_counter!(
         KV_LEASE_EXPIRED_TOTAL,
         "Producer blocks freed because their lease expired."
+    );
+    describe_counter!(
+        KV_TRANSFER_FAILED_NOTIFICATIONS_TOTAL,
+        "KV transfer notifications that did not decode (dropped)."
     );
     describe_counter!(
         KV_LOAD_FAILURES_TOTAL,

@@ -35,7 +35,7 @@ use tandem_kv_connector::base::{
 
 use crate::detokenizer::Detokenize;
 use crate::error::EngineError;
-use crate::kv_checksum::tracker::{ChecksumTracker, LoadCheck};
+use crate::kv_checksum::tracker::{ChecksumTracker, ExpectedChecksums, LoadCheck};
 use crate::kv_checksum::{KvChecksumConfig, WorkerGrid};
 use crate::metrics as m;
 use crate::output::RequestEvent;
@@ -463,12 +463,16 @@ impl Scheduler {
                 self.connector
                     .update_state_after_alloc(&view, &table, matched.num_external_tokens);
                 if let Some(t) = self.checksums.as_mut() {
-                    if self.connector.kv_checksum_carrier(&view, true)
-                        == Some(KvChecksumCarrier::KvTransferParams)
-                    {
+                    if let Some(carrier) = self.connector.kv_checksum_carrier(&view, true) {
+                        let expected = match carrier {
+                            KvChecksumCarrier::KvTransferParams => {
+                                ExpectedChecksums::Params(req.kv_transfer_params.as_ref())
+                            }
+                            KvChecksumCarrier::Connector => ExpectedChecksums::FromConnector,
+                        };
                         t.add_load(
                             id,
-                            req.kv_transfer_params.as_ref(),
+                            expected,
                             local_computed,
                             local_computed + matched.num_external_tokens,
                             &table,
@@ -557,7 +561,7 @@ impl Scheduler {
             if self
                 .connector
                 .kv_checksum_carrier(&Self::connector_view(req), false)
-                == Some(KvChecksumCarrier::KvTransferParams)
+                .is_some()
             {
                 t.add_send(id, prompt, self.kv.block_table(id));
             }
@@ -699,6 +703,14 @@ impl Scheduler {
         metrics::counter!(m::KV_TRANSFER_DESCRIPTORS_TOTAL).increment(stats.descriptors);
         metrics::counter!(m::KV_TRANSFER_FAILURES_TOTAL).increment(stats.failures);
         metrics::counter!(m::KV_LEASE_EXPIRED_TOTAL).increment(stats.expired_leases);
+        metrics::counter!(m::KV_TRANSFER_FAILED_NOTIFICATIONS_TOTAL)
+            .increment(stats.failed_notifications);
+        if let Some(t) = self.checksums.as_mut() {
+            // Before the loads they belong to are compared below.
+            for (id, payload) in &output.kv_checksums {
+                t.receive_checksums(*id, payload);
+            }
+        }
         for s in &stats.seconds {
             metrics::histogram!(m::KV_TRANSFER_SECONDS).record(*s);
         }
@@ -888,7 +900,13 @@ impl Scheduler {
             had_load = t.forget_load(id);
             let normal = kind == FinishKind::Normal;
             if let Some(checksums) = t.finish_send(id, normal, &req.external_id) {
+                let view = Self::connector_view(&req);
+                let carrier = self.connector.kv_checksum_carrier(&view, false);
                 match kv_transfer_params.as_mut().and_then(Value::as_object_mut) {
+                    _ if carrier == Some(KvChecksumCarrier::Connector) => {
+                        self.connector.send_kv_checksums(&view, &checksums);
+                        metrics::counter!(m::KV_CHECKSUM_SENDS_TOTAL).increment(1);
+                    }
                     Some(params) => {
                         params.insert(KV_CHECKSUMS_PARAM.into(), Value::String(checksums));
                         metrics::counter!(m::KV_CHECKSUM_SENDS_TOTAL).increment(1);

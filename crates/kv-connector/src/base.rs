@@ -82,6 +82,8 @@ pub struct TransferStats {
     pub seconds: Vec<f64>,
     pub failures: u64,
     pub expired_leases: u64,
+    /// Notifications of the connector's protocol that did not decode (dropped).
+    pub failed_notifications: u64,
 }
 
 /// What workers report to the scheduler side each step.
@@ -95,6 +97,10 @@ pub struct ConnectorOutput {
     pub failed_recving: HashMap<u64, String>,
     /// Blocks whose content is known to be bad.
     pub invalid_block_ids: HashSet<BlockId>,
+    /// Consumer, connector-owned carrier: the KV checksums (the encoded payload, as in
+    /// [`KV_CHECKSUMS_PARAM`]) received for a load, reported no later than the load's
+    /// `finished_recving`. The scheduler takes the first copy.
+    pub kv_checksums: HashMap<u64, String>,
     pub stats: TransferStats,
 }
 
@@ -106,11 +112,15 @@ impl ConnectorOutput {
         self.finished_recving.extend(other.finished_recving);
         self.failed_recving.extend(other.failed_recving);
         self.invalid_block_ids.extend(other.invalid_block_ids);
+        for (id, payload) in other.kv_checksums {
+            self.kv_checksums.entry(id).or_insert(payload);
+        }
         self.stats.bytes += other.stats.bytes;
         self.stats.descriptors += other.stats.descriptors;
         self.stats.seconds.extend(other.stats.seconds);
         self.stats.failures += other.stats.failures;
         self.stats.expired_leases += other.stats.expired_leases;
+        self.stats.failed_notifications += other.stats.failed_notifications;
     }
 }
 
@@ -129,6 +139,11 @@ pub const KV_CHECKSUMS_PARAM: &str = "kv_checksums";
 pub enum KvChecksumCarrier {
     /// In `kv_transfer_params["kv_checksums"]`.
     KvTransferParams,
+    /// In the connector's own messages: the engine hands a producer request's payload to
+    /// [`KvConnectorScheduler::send_kv_checksums`] after `request_finished` (normal finishes
+    /// only), and takes a load's from [`ConnectorOutput::kv_checksums`]. A load whose checksums
+    /// never arrive is unverified.
+    Connector,
 }
 
 /// The scheduler side of a connector.
@@ -162,6 +177,11 @@ pub trait KvConnectorScheduler: Send {
         block_ids: &[BlockId],
         finish: FinishKind,
     ) -> FinishedAction;
+
+    /// Connector-owned carrier: the encoded KV checksums of a producer request that finished
+    /// normally, after its `request_finished`. The connector sends them with the request's KV
+    /// (or drops them if it has nothing to send). The default ignores them.
+    fn send_kv_checksums(&mut self, _request: &ConnectorRequest<'_>, _payload: &str) {}
 
     /// Last word on the `kv_transfer_params` a finished request answers, once everything else
     /// (the KV checksums) is in them: a connector that signs its params does it here. The

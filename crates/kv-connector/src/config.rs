@@ -8,7 +8,7 @@
 //!
 //! | key | values | default |
 //! |---|---|---|
-//! | `kv_connector` | `"NixlConnector"` | required |
+//! | `kv_connector` | `"NixlConnector"` (pull) or `"NixlPushConnector"` (push) | required |
 //! | `kv_role` | `"kv_producer"`, `"kv_consumer"`, `"kv_both"` | required |
 //! | `engine_id` | non-empty string, at most 128 bytes | a random UUID (v4) |
 //! | `kv_load_failure_policy` | `"fail"`, `"recompute"` | `"recompute"` |
@@ -27,10 +27,10 @@
 //! |---|---|---|
 //! | `side_channel_host` | the host a producer advertises as `remote_host` (consumers fetch its handshake from `http://{host}:{HTTP port}/v1/kv/handshake`) | `$TANDEM_NIXL_SIDE_CHANNEL_HOST`, else `127.0.0.1` |
 //! | `kv_lease_duration` | seconds a producer holds a finished request's blocks for its consumer (renewed by the consumer) | 30 |
-//! | `load_timeout` | seconds a consumer's READ may take, from its post | 30 |
+//! | `load_timeout` | seconds a consumer's READ may take, from its post (push: how long a consumer waits for the producer's WRITE after registering its blocks) | 30 |
 //! | `handshake_timeout` | seconds to fetch a producer's handshake | 5 |
 //! | `nixl_lib_dir` | directory of `libnixl_capi.so` (see `nixl::library`) | discovery |
-//! | `progress_thread` | run NIXL's progress thread | on for `kv_producer`/`kv_both`, off for `kv_consumer` |
+//! | `progress_thread` | run NIXL's progress thread | on for the passive side (pull: `kv_producer`/`kv_both`; push: `kv_consumer`/`kv_both`), off for the side that only initiates |
 //! | `transport_fault_injection` | testing only: a fault where the bytes move (`corrupt_source`, `wrong_block`, `slow_read`; see `pull::fault`) | none |
 //! | `allowed_producers` | the producers a consumer may contact: CIDR ranges, addresses or host names, optionally with `:port` (see `allowlist`) | with a KV transfer secret: any; without: loopback only |
 //!
@@ -50,8 +50,46 @@ use crate::allowlist::ProducerAllowlist;
 use crate::error::KvConnectorError;
 use crate::pull::fault::TransportFault;
 
-/// The only `kv_connector` this crate implements.
+/// The NIXL connector in pull mode (vLLM's name): the consumer READs the producer's blocks.
 pub const NIXL_CONNECTOR: &str = "NixlConnector";
+/// The NIXL connector in push mode: the producer WRITEs into blocks the consumer registered.
+pub const NIXL_PUSH_CONNECTOR: &str = "NixlPushConnector";
+
+/// How KV moves between a producer and a consumer; one deployment is one mode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum KvMode {
+    /// The consumer READs once the producer has answered (`NixlConnector`).
+    #[default]
+    Pull,
+    /// The consumer registers its blocks when the request arrives; the producer WRITEs into
+    /// them when its prefill is done (`NixlPushConnector`).
+    Push,
+}
+
+impl KvMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KvMode::Pull => "pull",
+            KvMode::Push => "push",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "pull" => Some(KvMode::Pull),
+            "push" => Some(KvMode::Push),
+            _ => None,
+        }
+    }
+
+    /// The `kv_connector` name of the mode.
+    pub fn connector_name(self) -> &'static str {
+        match self {
+            KvMode::Pull => NIXL_CONNECTOR,
+            KvMode::Push => NIXL_PUSH_CONNECTOR,
+        }
+    }
+}
 /// Environment variable with the default `side_channel_host`.
 pub const SIDE_CHANNEL_HOST_ENV: &str = "TANDEM_NIXL_SIDE_CHANNEL_HOST";
 /// `side_channel_host` when neither the config nor the environment names one.
@@ -340,11 +378,15 @@ impl KvTransferConfig {
         check_keys(obj, &known, "kv_transfer_config")?;
         let notes = vllm_key_notes(obj)?;
 
-        let kv_connector = get_str(obj, "kv_connector")?
-            .ok_or_else(|| invalid(format!("kv_connector is required (\"{NIXL_CONNECTOR}\")")))?;
-        if kv_connector != NIXL_CONNECTOR {
+        let kv_connector = get_str(obj, "kv_connector")?.ok_or_else(|| {
+            invalid(format!(
+                "kv_connector is required (\"{NIXL_CONNECTOR}\" or \"{NIXL_PUSH_CONNECTOR}\")"
+            ))
+        })?;
+        if kv_connector != NIXL_CONNECTOR && kv_connector != NIXL_PUSH_CONNECTOR {
             return Err(invalid(format!(
-                "kv_connector {kv_connector:?} is not supported; the only connector is \"{NIXL_CONNECTOR}\""
+                "kv_connector {kv_connector:?} is not supported; the connectors are \
+                 \"{NIXL_CONNECTOR}\" (pull) and \"{NIXL_PUSH_CONNECTOR}\" (push)"
             )));
         }
         let role = get_str(obj, "kv_role")?.ok_or_else(|| {
@@ -422,9 +464,22 @@ impl KvTransferConfig {
     /// role that produces (a passive READ target must answer without calling NIXL) and off
     /// for a pure consumer (it only initiates; faster without, see `nixl::agent`).
     pub fn progress_thread(&self) -> bool {
+        let passive = match self.kv_mode() {
+            KvMode::Pull => self.kv_role.is_producer(),
+            KvMode::Push => self.kv_role.is_consumer(),
+        };
         self.kv_connector_extra_config
             .progress_thread
-            .unwrap_or(self.kv_role.is_producer())
+            .unwrap_or(passive)
+    }
+
+    /// Pull (`NixlConnector`) or push (`NixlPushConnector`).
+    pub fn kv_mode(&self) -> KvMode {
+        if self.kv_connector == NIXL_PUSH_CONNECTOR {
+            KvMode::Push
+        } else {
+            KvMode::Pull
+        }
     }
 
     /// The config as JSON with every default filled in (for logs and `/v1/…` introspection).

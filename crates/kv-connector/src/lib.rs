@@ -9,6 +9,8 @@
 //! - [`params`]: `kv_transfer_params`, parsed and validated ([`params::TransferRequest`]).
 //! - [`pull`]: the NIXL pull connector ([`pull::nixl_pull_connector`]): producer leases,
 //!   consumer READs on a transfer thread, the handshake the server serves.
+//! - [`push`]: the NIXL push connector ([`push::nixl_push_connector`]): consumer registrations,
+//!   producer WRITEs with the checksums on their completion notification.
 //! - [`auth`]: the deployment secret: signed `kv_transfer_params` and signed peer requests.
 //! - [`allowlist`]: `allowed_producers`, the producers a consumer may contact.
 //! - [`error`]: the crate's error type.
@@ -21,7 +23,9 @@ pub mod error;
 pub mod nixl;
 pub mod params;
 pub mod pull;
+pub mod push;
 
-pub use config::{KvRole, KvTransferConfig, LoadFailurePolicy};
+pub use config::{KvMode, KvRole, KvTransferConfig, LoadFailurePolicy};
 pub use error::KvConnectorError;
 pub use pull::{nixl_pull_connector, HandshakeProvider, NixlPullConnector, HANDSHAKE_PATH};
+pub use push::{nixl_push_connector, NixlPushConnector};

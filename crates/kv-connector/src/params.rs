@@ -10,6 +10,16 @@
 //!   "remote_host", "remote_port", "tp_size"}`: a consumer request (load the prompt's KV from the
 //!   producer, then decode). This is exactly what the producer answered ([`RemotePrefill::to_value`]).
 //!
+//! Push mode (`NixlPushConnector`): the proxy sends one request to both instances at once, with
+//! one `transfer_id` (its own random id, never shown to clients):
+//! - `{"do_remote_decode": true, "transfer_id"}` to the producer: prefill, then WRITE the KV
+//!   into the blocks the consumer registered for that transfer ([`TransferRequest::PushProducer`]);
+//! - `{"do_remote_prefill": true, "transfer_id", "remote_host", "remote_port"}` to the consumer:
+//!   register blocks with the producer at that address, wait for its WRITE, then decode
+//!   ([`TransferRequest::PushConsumer`], optional `remote_engine_id` to pin the producer).
+//!
+//! A connector of one mode refuses params of the other with an error that says so.
+//!
 //! Invariants of a parsed [`RemotePrefill`] (anything else is
 //! [`KvConnectorError::InvalidTransferParams`], so a forged or malformed value never reaches a
 //! transfer): `remote_block_ids` has exactly `cdiv(prompt_len, block_size)` distinct entries; the
@@ -23,6 +33,7 @@ use std::collections::HashSet;
 use serde_json::{Map, Value};
 use tandem_kv_cache::BlockId;
 
+use crate::config::KvMode;
 use crate::error::KvConnectorError;
 
 /// Longest `remote_engine_id` / `remote_request_id` accepted.
@@ -43,6 +54,103 @@ pub enum TransferRequest {
     Producer,
     /// `do_remote_prefill`: load the prompt's KV from a producer.
     Consumer(RemotePrefill),
+    /// Push mode, `do_remote_decode` with a `transfer_id`: prefill here, then WRITE the KV into
+    /// the blocks the consumer registers for that transfer.
+    PushProducer { transfer_id: String },
+    /// Push mode, `do_remote_prefill` with a `transfer_id`: register blocks with the producer
+    /// and wait for its WRITE.
+    PushConsumer(RemotePush),
+}
+
+impl TransferRequest {
+    /// The mode the params are written for (`None`: a local request, either mode serves it).
+    pub fn mode(&self) -> Option<KvMode> {
+        match self {
+            TransferRequest::Local => None,
+            TransferRequest::Producer | TransferRequest::Consumer(_) => Some(KvMode::Pull),
+            TransferRequest::PushProducer { .. } | TransferRequest::PushConsumer(_) => {
+                Some(KvMode::Push)
+            }
+        }
+    }
+
+    /// An error unless the params suit a connector in `mode` (local requests suit both).
+    pub fn check_mode(&self, mode: KvMode) -> Result<(), KvConnectorError> {
+        match self.mode() {
+            Some(m) if m != mode => Err(bad(format!(
+                "these kv_transfer_params are for {} mode ({}), but this instance runs {} \
+                 (kv_connector {:?}); run the proxy with --kv-mode {}",
+                m.as_str(),
+                if m == KvMode::Push {
+                    "they carry a transfer_id"
+                } else {
+                    "they carry no transfer_id"
+                },
+                mode.as_str(),
+                mode.connector_name(),
+                mode.as_str()
+            ))),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Where a push consumer registers its blocks: the producer's address, from the proxy.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct RemotePush {
+    /// The proxy's id for the request on both instances.
+    pub transfer_id: String,
+    pub remote_host: String,
+    /// The producer's HTTP port (its registration route and handshake are served there).
+    pub remote_port: u16,
+    /// The producer's engine id, when the proxy pins it; else whatever engine answers there.
+    pub remote_engine_id: Option<String>,
+}
+
+impl RemotePush {
+    fn from_object(obj: &Map<String, Value>) -> Result<RemotePush, KvConnectorError> {
+        let (remote_host, remote_port) = get_host_port(obj)?;
+        let remote_engine_id = match obj.get("remote_engine_id") {
+            None | Some(Value::Null) => None,
+            Some(_) => Some(get_id(obj, "remote_engine_id")?),
+        };
+        Ok(RemotePush {
+            transfer_id: get_id(obj, "transfer_id")?,
+            remote_host,
+            remote_port,
+            remote_engine_id,
+        })
+    }
+
+    /// The params the proxy gives the consumer.
+    pub fn to_value(&self) -> Value {
+        let mut v = serde_json::json!({
+            "do_remote_prefill": true,
+            "do_remote_decode": false,
+            "transfer_id": self.transfer_id,
+            "remote_host": self.remote_host,
+            "remote_port": self.remote_port,
+        });
+        if let Some(e) = &self.remote_engine_id {
+            v["remote_engine_id"] = Value::String(e.clone());
+        }
+        v
+    }
+}
+
+/// `remote_host` and `remote_port`, checked.
+fn get_host_port(obj: &Map<String, Value>) -> Result<(String, u16), KvConnectorError> {
+    let remote_host = match obj.get("remote_host") {
+        None | Some(Value::Null) => return Err(bad("remote_host is missing")),
+        Some(Value::String(h)) if valid_host(h) => h.clone(),
+        Some(Value::String(h)) if h.is_empty() => return Err(bad("remote_host is empty")),
+        Some(_) => return Err(bad("remote_host must be a host name or IP address")),
+    };
+    let port = get_uint(obj, "remote_port")?;
+    match u16::try_from(port) {
+        Ok(p) if p > 0 => Ok((remote_host, p)),
+        _ => Err(bad(format!("remote_port {port} is not in 1..=65535"))),
+    }
 }
 
 /// Where a consumer request's KV lives: the producer's answer.
@@ -120,8 +228,15 @@ impl TransferRequest {
         };
         let remote_decode = get_flag(obj, "do_remote_decode")?;
         let remote_prefill = get_flag(obj, "do_remote_prefill")?;
+        let push = !matches!(obj.get("transfer_id"), None | Some(Value::Null));
         match (remote_decode, remote_prefill) {
             (false, false) => Ok(TransferRequest::Local),
+            (true, false) if push => Ok(TransferRequest::PushProducer {
+                transfer_id: get_id(obj, "transfer_id")?,
+            }),
+            (false, true) if push => {
+                Ok(TransferRequest::PushConsumer(RemotePush::from_object(obj)?))
+            }
             (true, false) => Ok(TransferRequest::Producer),
             (false, true) => Ok(TransferRequest::Consumer(RemotePrefill::from_object(
                 obj, prompt_len, block_size,
@@ -198,17 +313,7 @@ impl RemotePrefill {
             }
             Some(_) => return Err(bad("remote_block_ids must be an array of block ids")),
         };
-        let remote_host = match obj.get("remote_host") {
-            None | Some(Value::Null) => return Err(bad("remote_host is missing")),
-            Some(Value::String(h)) if valid_host(h) => h.clone(),
-            Some(Value::String(h)) if h.is_empty() => return Err(bad("remote_host is empty")),
-            Some(_) => return Err(bad("remote_host must be a host name or IP address")),
-        };
-        let port = get_uint(obj, "remote_port")?;
-        let remote_port = match u16::try_from(port) {
-            Ok(p) if p > 0 => p,
-            _ => return Err(bad(format!("remote_port {port} is not in 1..=65535"))),
-        };
+        let (remote_host, remote_port) = get_host_port(obj)?;
         let tp_size = get_uint(obj, "tp_size")?;
         if tp_size != SUPPORTED_TP_SIZE {
             return Err(bad(format!(

@@ -15,7 +15,8 @@ use tandem_engine::{
 use tandem_kv_cache::{CacheDtype, KvCacheConfig, KvCacheManager, KvStorage};
 use tandem_kv_connector::auth::{TransferAuth, SECRET_ENV};
 use tandem_kv_connector::base::{KvConnectorScheduler, KvConnectorWorker, NoopConnector};
-use tandem_kv_connector::config::{KvTransferConfig, LoadFailurePolicy};
+use tandem_kv_connector::config::{KvMode, KvTransferConfig, LoadFailurePolicy};
+use tandem_kv_connector::push::nixl_push_connector;
 use tandem_kv_connector::pull::{nixl_pull_connector, KvAdmission, KvPeerService};
 use tandem_models::{load_model, LoadOptions, TextTokenizer, WeightMode};
 
@@ -177,10 +178,18 @@ pub fn build_instance(
     let (connector_sched, connector_worker, kv_routes): ConnectorParts = match &transfer {
         None => (Box::new(NoopConnector), Box::new(NoopConnector), None),
         Some(cfg) => {
-            let (s, w, peer, admission) =
-                nixl_pull_connector(cfg, &names[0], args.block_size, args.port, auth)
-                    .context("--kv-transfer-config")?
-                    .into_parts();
+            let (s, w, peer, admission) = match cfg.kv_mode() {
+                KvMode::Pull => {
+                    nixl_pull_connector(cfg, &names[0], args.block_size, args.port, auth)
+                        .context("--kv-transfer-config")?
+                        .into_parts()
+                }
+                KvMode::Push => {
+                    nixl_push_connector(cfg, &names[0], args.block_size, args.port, auth)
+                        .context("--kv-transfer-config")?
+                        .into_parts()
+                }
+            };
             (s, w, Some((peer, admission)))
         }
     };

@@ -14,6 +14,7 @@ use tandem_engine::SamplingParams;
 
 use tandem_kv_connector::auth::KV_AUTH_HEADER;
 use tandem_kv_connector::pull::{ReleaseOutcome, CLAIM_PATH, HANDSHAKE_PATH, RELEASE_PATH};
+use tandem_kv_connector::push::REGISTER_PATH;
 use tandem_kv_connector::KvConnectorError;
 
 use crate::error::ApiError;
@@ -36,6 +37,7 @@ pub const OPEN_PATHS: &[&str] = &[
     HANDSHAKE_PATH,
     CLAIM_PATH,
     RELEASE_PATH,
+    REGISTER_PATH,
 ];
 
 /// The router of one instance.
@@ -53,6 +55,7 @@ pub fn app(state: AppState) -> Router {
         .route(HANDSHAKE_PATH, get(kv_handshake))
         .route(CLAIM_PATH, post(kv_claim))
         .route(RELEASE_PATH, post(kv_release))
+        .route(REGISTER_PATH, post(kv_push_register))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(limit))
         .with_state(state)
@@ -155,6 +158,23 @@ async fn kv_release(
         ReleaseOutcome::Unknown => "unknown",
     };
     Ok(Json(json!({"release": outcome})).into_response())
+}
+
+/// `POST /v1/kv/push/register`: a push consumer registers its blocks for a transfer (see
+/// `KvPeerService::register_push`); 404 on an instance that is not in push mode.
+async fn kv_push_register(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    ApiJson(body): ApiJson<serde_json::Value>,
+) -> Result<Response, ApiError> {
+    let Some(peer) = &state.kv_peer else {
+        return Ok(not_found().await);
+    };
+    let auth = headers.get(KV_AUTH_HEADER).and_then(|v| v.to_str().ok());
+    if !peer.register_push(auth, &body).map_err(kv_refused)? {
+        return Ok(not_found().await);
+    }
+    Ok((StatusCode::ACCEPTED, Json(json!({"registered": true}))).into_response())
 }
 
 fn request_id(headers: &HeaderMap) -> String {

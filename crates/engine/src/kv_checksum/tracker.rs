@@ -8,7 +8,8 @@
 //! they arrive, so the scheduler can hold the blocks they read; it is then released.
 //!
 //! Consumer: [`ChecksumTracker::add_load`] when a load starts (the expected payload decoded from
-//! `kv_transfer_params`, a fault drawn); the records arrive in the step the load is reported
+//! `kv_transfer_params`, or, for the connector-owned carrier, taken later from the connector's
+//! report by [`ChecksumTracker::receive_checksums`], first copy wins; a fault drawn); the records arrive in the step the load is reported
 //! finished; [`ChecksumTracker::verify_load`] compares, counts and logs, and says whether the
 //! load is accepted (always, unless fail-closed and not verified).
 //!
@@ -41,7 +42,19 @@ struct LoadState {
     generation: u64,
     merger: RecordMerger,
     expected: Result<Payload, UnverifiedReason>,
+    /// The connector delivers `expected` later ([`ChecksumTracker::receive_checksums`]);
+    /// cleared by the first copy.
+    awaiting_connector: bool,
     fault: Option<BlockFault>,
+}
+
+/// Where a load's expected checksums come from (its connector's carrier).
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum ExpectedChecksums<'a> {
+    /// `kv_transfer_params["kv_checksums"]` of the request.
+    Params(Option<&'a Value>),
+    /// The connector reports them with the finished load.
+    FromConnector,
 }
 
 /// What the scheduler does with a load after its verdict.
@@ -166,20 +179,24 @@ impl ChecksumTracker {
         });
     }
 
-    /// A load starts: tokens `[first_token, num_tokens)` of `table`, verified against
-    /// `kv_transfer_params["kv_checksums"]`.
+    /// A load starts: tokens `[first_token, num_tokens)` of `table`, verified against the
+    /// checksums its carrier brings.
     pub(crate) fn add_load(
         &mut self,
         request_id: u64,
-        kv_transfer_params: Option<&Value>,
+        expected: ExpectedChecksums<'_>,
         first_token: usize,
         num_tokens: usize,
         table: &[BlockId],
     ) {
-        let expected = match kv_transfer_params.and_then(|p| p.get(KV_CHECKSUMS_PARAM)) {
-            None | Some(Value::Null) => Err(UnverifiedReason::Missing),
-            Some(Value::String(s)) => Payload::decode(s),
-            Some(_) => Err(UnverifiedReason::Malformed),
+        let awaiting_connector = matches!(expected, ExpectedChecksums::FromConnector);
+        let expected = match expected {
+            ExpectedChecksums::FromConnector => Err(UnverifiedReason::Missing),
+            ExpectedChecksums::Params(params) => match params.and_then(|p| p.get(KV_CHECKSUMS_PARAM)) {
+                None | Some(Value::Null) => Err(UnverifiedReason::Missing),
+                Some(Value::String(s)) => Payload::decode(s),
+                Some(_) => Err(UnverifiedReason::Malformed),
+            },
         };
         let blocks = self.select(table, first_token, num_tokens);
         let fault = self.faults.as_mut().and_then(|(f, rng)| {
@@ -197,6 +214,7 @@ impl ChecksumTracker {
                 generation,
                 merger,
                 expected,
+                awaiting_connector,
                 fault,
             },
         );
@@ -206,6 +224,21 @@ impl ChecksumTracker {
             blocks,
             fault: fault.filter(|f| f.kind.touches_blocks()),
         });
+    }
+
+    /// The connector delivered a load's checksums (connector-owned carrier): the first copy is
+    /// kept; later copies, and copies for loads that are not waiting for any, are ignored.
+    pub(crate) fn receive_checksums(&mut self, request_id: u64, payload: &str) {
+        match self.loads.get_mut(&request_id) {
+            Some(state) if state.awaiting_connector => {
+                state.awaiting_connector = false;
+                state.expected = Payload::decode(payload);
+            }
+            _ => tracing::debug!(
+                request = request_id,
+                "KV checksums from the connector for no load waiting for them ignored"
+            ),
+        }
     }
 
     /// Merges the workers' records of a step.
@@ -568,7 +601,7 @@ mod tests {
         let params = serde_json::json!({ KV_CHECKSUMS_PARAM: payload });
         // consumer: the same KV, loaded into the same blocks, verifies
         let mut c = tracker(&groups, WorkerGrid::default());
-        c.add_load(9, Some(&params), 0, 7, &[0, 1]);
+        c.add_load(9, ExpectedChecksums::Params(Some(&params)), 0, 7, &[0, 1]);
         let job = c.take_work().recvs.remove(0);
         c.add_records(vec![record(&storage, &setup, &job, ChecksumSide::Recv)]);
         assert_eq!(c.verify_load(9, "c"), Some(LoadCheck::Accept));
@@ -580,7 +613,7 @@ mod tests {
                 ..Default::default()
             };
             let mut c = ChecksumTracker::new(&config, &groups, WorkerGrid::default());
-            c.add_load(9, Some(&params), 0, 7, &[5, 6]);
+            c.add_load(9, ExpectedChecksums::Params(Some(&params)), 0, 7, &[5, 6]);
             let job = c.take_work().recvs.remove(0);
             c.add_records(vec![record(&storage, &setup, &job, ChecksumSide::Recv)]);
             match c.verify_load(9, "c").unwrap() {
@@ -605,7 +638,7 @@ mod tests {
             ..Default::default()
         };
         let mut c = ChecksumTracker::new(&config, &groups, WorkerGrid::default());
-        c.add_load(9, Some(&params), 0, 7, &[0, 6]);
+        c.add_load(9, ExpectedChecksums::Params(Some(&params)), 0, 7, &[0, 6]);
         let job = c.take_work().recvs.remove(0);
         c.add_records(vec![record(&storage, &setup, &job, ChecksumSide::Recv)]);
         match c.verify_load(9, "c") {
@@ -628,7 +661,7 @@ mod tests {
             ..Default::default()
         };
         let mut c = ChecksumTracker::new(&config, &groups, WorkerGrid::default());
-        c.add_load(9, Some(&params), 0, 7, &[0, 1]);
+        c.add_load(9, ExpectedChecksums::Params(Some(&params)), 0, 7, &[0, 1]);
         assert!(matches!(
             c.verify_load(9, "c"),
             Some(LoadCheck::Reject {

@@ -34,6 +34,7 @@ use super::descriptors::{DescTable, RegionGeometry};
 use super::handshake::{LayerInfo, NixlHandshake, RegionInfo};
 use super::library::{load_nixl, NixlLibrary};
 use super::nixl_err;
+use crate::config::KvMode;
 use crate::error::KvConnectorError;
 
 /// How to create a [`NixlAgent`]; [`NixlAgentConfig::new`] gives the defaults.
@@ -45,6 +46,8 @@ pub struct NixlAgentConfig {
     pub model: String,
     pub tp_rank: usize,
     pub tp_size: usize,
+    /// Pull or push: published in the handshake; a peer of the other mode is refused.
+    pub kv_mode: KvMode,
     /// The NIXL agent name; default `tandem-{engine_id}-tp{rank}-{pid}-{nonce}`, unique per
     /// process start so a restarted peer never reuses a name.
     pub agent_name: Option<String>,
@@ -74,6 +77,7 @@ impl NixlAgentConfig {
             model: model.to_string(),
             tp_rank: 0,
             tp_size: 1,
+            kv_mode: KvMode::Pull,
             agent_name: None,
             lib_dir: None,
             progress_thread: true,
@@ -417,6 +421,7 @@ impl NixlAgent {
             self.config.tp_size,
             self.layers.clone(),
         )
+        .with_kv_mode(self.config.kv_mode)
     }
 
     /// Accepts a peer: checks its handshake against ours, loads its metadata and prepares its

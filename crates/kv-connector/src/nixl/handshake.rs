@@ -15,11 +15,13 @@ use serde::{Deserialize, Serialize};
 
 use tandem_kv_cache::{BlockLayout, CacheDtype, LayoutOrder};
 
+use crate::config::KvMode;
 use crate::error::KvConnectorError;
 
-/// Version of this handshake and of the transfer protocol behind it; bump on any change of
-/// meaning. Peers with different versions never connect.
-pub const HANDSHAKE_PROTOCOL_VERSION: u32 = 1;
+/// Version of this handshake and of the transfer protocol behind it (the connector version);
+/// bump on any change of meaning. Peers with different versions never connect, so neither side
+/// misreads the other's notifications. 2: push mode (`kv_mode`, the push notifications).
+pub const HANDSHAKE_PROTOCOL_VERSION: u32 = 2;
 
 /// One contiguous array (a layer's K or V) of a peer, as its process sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -81,6 +83,8 @@ pub struct NixlHandshake {
     pub protocol_version: u32,
     /// The engine (instance) id, as in `kv_transfer_params.remote_engine_id`.
     pub engine_id: String,
+    /// `"pull"` or `"push"` ([`KvMode`]): one deployment is one mode.
+    pub kv_mode: String,
     /// The NIXL agent's name; notifications from this peer carry it.
     pub agent_name: String,
     /// The NIXL agent's metadata (`get_local_md`), base64 in JSON.
@@ -105,6 +109,11 @@ pub struct NixlHandshake {
 pub enum HandshakeMismatch {
     #[error("protocol version {theirs} (ours is {ours})")]
     ProtocolVersion { ours: u32, theirs: u32 },
+    #[error(
+        "the peer runs {theirs} mode, this instance runs {ours} mode: one deployment is one mode \
+         (kv_connector NixlConnector is pull, NixlPushConnector is push)"
+    )]
+    KvMode { ours: String, theirs: String },
     #[error("different model: {theirs:?} (ours is {ours:?})")]
     Model { ours: String, theirs: String },
     #[error("different KV cache dtype: {theirs} (ours is {ours})")]
@@ -161,6 +170,7 @@ impl NixlHandshake {
         NixlHandshake {
             protocol_version: HANDSHAKE_PROTOCOL_VERSION,
             engine_id: engine_id.to_string(),
+            kv_mode: KvMode::Pull.as_str().to_string(),
             agent_name: agent_name.to_string(),
             agent_metadata,
             model: model.to_string(),
@@ -172,6 +182,12 @@ impl NixlHandshake {
             tp_size,
             layers,
         }
+    }
+
+    /// The same handshake for a connector in `mode`.
+    pub fn with_kv_mode(mut self, mode: KvMode) -> Self {
+        self.kv_mode = mode.as_str().to_string();
+        self
     }
 
     pub fn to_json(&self) -> String {
@@ -205,6 +221,9 @@ impl NixlHandshake {
                 "compat_hash {} does not match its own fields (expected {want})",
                 self.compat_hash
             ));
+        }
+        if KvMode::parse(&self.kv_mode).is_none() {
+            return bad(format!("kv_mode {:?} is not \"pull\" or \"push\"", self.kv_mode));
         }
         if self.agent_name.is_empty() || self.agent_metadata.is_empty() {
             return bad("empty agent name or metadata".into());
@@ -268,6 +287,12 @@ impl NixlHandshake {
             });
         }
         peer.validate()?;
+        if peer.kv_mode != self.kv_mode {
+            return fail(HandshakeMismatch::KvMode {
+                ours: self.kv_mode.clone(),
+                theirs: peer.kv_mode.clone(),
+            });
+        }
         if peer.model != self.model {
             return fail(HandshakeMismatch::Model {
                 ours: self.model.clone(),

@@ -11,10 +11,15 @@
 //! - `POST /v1/kv/release` `{"kv_transfer_params": …}`: the proxy gives an unclaimed lease back
 //!   after its decode call failed; checked like a claim (an expired signature is fine: releasing
 //!   is always safe), answered with what happened.
+//! - `POST /v1/kv/push/register` (push mode) a consumer's [`Registration`]: with a secret only
+//!   signed requests; the first registration of a transfer id wins, an ended one is refused
+//!   with its reason ([`PushRegistry`]).
 //!
 //! Consumer admission ([`KvAdmission::check`], before the request reaches the engine and before
-//! any connection): `do_remote_prefill` params need a valid, unexpired signature when the
-//! instance has a secret, and a producer in `allowed_producers`.
+//! any connection): pull `do_remote_prefill` params need a valid, unexpired signature when the
+//! instance has a secret, and a producer in `allowed_producers`; push params (from the proxy,
+//! unsigned) only the latter: registering sends a producer nothing it could read KV with (it
+//! must fetch the consumer's handshake, signed), and transfer ids are unguessable.
 
 use serde_json::Value;
 
@@ -23,7 +28,9 @@ use super::HandshakeProvider;
 use crate::allowlist::ProducerAllowlist;
 use crate::auth::{unix_millis, TransferAuth};
 use crate::error::KvConnectorError;
-use crate::params::RemotePrefill;
+use crate::params::{RemotePrefill, TransferRequest};
+use crate::push::protocol::Registration;
+use crate::push::registry::{validate as validate_registration, PushRegistry};
 
 /// Where a consumer claims a lease.
 pub const CLAIM_PATH: &str = "/v1/kv/claim";
@@ -39,6 +46,8 @@ pub struct KvPeerService {
     handshake: HandshakeProvider,
     leases: LeaseTable,
     auth: Option<TransferAuth>,
+    /// Push mode: where consumers' registrations go.
+    push: Option<PushRegistry>,
 }
 
 impl KvPeerService {
@@ -53,7 +62,37 @@ impl KvPeerService {
             handshake,
             leases,
             auth,
+            push: None,
         }
+    }
+
+    /// The same service for a push connector: it accepts registrations into `registry`.
+    pub fn with_push_registry(mut self, registry: PushRegistry) -> Self {
+        self.push = Some(registry);
+        self
+    }
+
+    /// `POST /v1/kv/push/register` (push mode): a consumer registers its blocks for a transfer.
+    /// With a secret, only signed requests; the body must be a well-formed [`Registration`]
+    /// (unknown fields refused); the first registration of a transfer id wins. `Ok(false)`: this
+    /// instance is not in push mode.
+    pub fn register_push(
+        &self,
+        auth_header: Option<&str>,
+        body: &Value,
+    ) -> Result<bool, KvConnectorError> {
+        let Some(registry) = &self.push else {
+            return Ok(false);
+        };
+        if let Some(auth) = &self.auth {
+            auth.verify_request("POST", crate::push::REGISTER_PATH, auth_header)?;
+        }
+        let reg: Registration = serde_json::from_value(body.clone()).map_err(|e| {
+            KvConnectorError::InvalidTransferParams(format!("not a push registration: {e}"))
+        })?;
+        validate_registration(&reg)?;
+        registry.register(reg)?;
+        Ok(true)
     }
 
     /// The handshake JSON for a request carrying `auth_header`; `Ok(None)` until the worker
@@ -131,6 +170,15 @@ impl KvAdmission {
         };
         if obj.get("do_remote_prefill") != Some(&Value::Bool(true)) {
             return Ok(());
+        }
+        if !matches!(obj.get("transfer_id"), None | Some(Value::Null)) {
+            let TransferRequest::PushConsumer(push) = TransferRequest::parse(params, 0, 1)? else {
+                return Ok(());
+            };
+            // Push params come from the proxy, unsigned: the consumer sends the producer no
+            // secret-bearing data (its handshake is fetched with a signed request), so only the
+            // address is checked.
+            return self.allowlist.check(&push.remote_host, push.remote_port);
         }
         if let Some(auth) = &self.auth {
             auth.verify_params(obj, unix_millis())?;

@@ -87,8 +87,28 @@ pub(crate) enum LoadOutcome {
     Failed(String),
     /// The job's cancel flag was seen; nothing writes into its blocks any more.
     Cancelled,
-    /// A release job ended (`Ok`: the producer was told).
+    /// A release (or notify) job ended (`Ok`: the peer was told).
     Released(Result<(), String>),
+    /// A registration job ended: accepted, or why not.
+    Registered(Result<(), PostError>),
+}
+
+/// Why a POST to a peer (a claim or a registration) did not succeed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct PostError {
+    pub reason: String,
+    /// The peer may have received and acted on it (a timeout or a broken answer); false when it
+    /// certainly did not (no connection, or it answered a refusal).
+    pub maybe_delivered: bool,
+}
+
+impl PostError {
+    fn undelivered(reason: String) -> Self {
+        PostError {
+            reason,
+            maybe_delivered: false,
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -98,10 +118,10 @@ pub(crate) struct LoadResult {
 }
 
 enum Msg {
-    Job(LoadJob),
+    Job(Box<LoadJob>),
     Handshake(Box<(PeerAddr, Result<NixlHandshake, String>)>),
-    /// A claim ended: the job, its peer's NIXL name, and the producer's answer.
-    Claimed(Box<(LoadJob, String, Result<(), String>)>),
+    /// A claim or registration ended: the job, its peer's NIXL name, and the peer's answer.
+    Claimed(Box<(LoadJob, String, Result<(), PostError>)>),
     Shutdown,
 }
 
@@ -152,7 +172,7 @@ impl Loader {
 
     /// Hands a job to the thread; false if the thread is gone.
     pub fn submit(&self, job: LoadJob) -> bool {
-        self.tx.send(Msg::Job(job)).is_ok()
+        self.tx.send(Msg::Job(Box::new(job))).is_ok()
     }
 
     /// Results so far, without blocking.
@@ -220,7 +240,7 @@ impl LoaderThread {
             msgs.extend(self.rx.try_iter());
             for m in msgs {
                 match m {
-                    Msg::Job(job) => self.start(job),
+                    Msg::Job(job) => self.start(*job),
                     Msg::Handshake(done) => {
                         let (addr, hs) = *done;
                         self.handshake_done(addr, hs)
@@ -323,7 +343,8 @@ impl LoaderThread {
     fn fail(&self, job: &LoadJob, reason: String) {
         tracing::warn!(request = job.request_id, producer = %job.peer, "KV load failed: {reason}");
         let outcome = match job.kind {
-            LoadKind::Release => LoadOutcome::Released(Err(reason)),
+            LoadKind::Release | LoadKind::Notify(_) => LoadOutcome::Released(Err(reason)),
+            LoadKind::Register => LoadOutcome::Registered(Err(PostError::undelivered(reason))),
             _ => LoadOutcome::Failed(reason),
         };
         self.report(job.request_id, outcome);
@@ -398,7 +419,8 @@ impl LoaderThread {
     fn handshake_done(&mut self, addr: PeerAddr, hs: Result<NixlHandshake, String>) {
         let jobs = self.handshaking.remove(&addr).unwrap_or_default();
         let accepted = hs.and_then(|hs| {
-            if hs.engine_id != addr.engine_id {
+            // An empty engine id (a push consumer not told which engine) accepts any.
+            if !addr.engine_id.is_empty() && hs.engine_id != addr.engine_id {
                 return Err(format!(
                     "engine id mismatch: the params name engine {:?}, but {}:{} is engine {:?}",
                     addr.engine_id, addr.host, addr.port, hs.engine_id
@@ -441,6 +463,22 @@ impl LoaderThread {
         }
     }
 
+    /// A posted (or refused) transfer failed: the peer is told (a READ's producer may free, a
+    /// WRITE's consumer stops waiting; best effort), then the job is failed.
+    fn fail_transfer(&self, job: &LoadJob, name: &str, reason: String) {
+        match &job.kind {
+            LoadKind::Write { fail_notif, .. } => {
+                if let Err(e) = self.agent.send_notif(name, fail_notif) {
+                    tracing::debug!(consumer = %job.peer, error = %e, "push failure notification failed");
+                }
+            }
+            _ => {
+                let _ = self.release(job, name);
+            }
+        }
+        self.fail(job, reason);
+    }
+
     /// Tells the producer it may free the job's blocks (best effort).
     fn release(&self, job: &LoadJob, name: &str) -> Result<(), String> {
         let msg = PullNotif::Done(&job.remote_request_id).encode();
@@ -451,14 +489,35 @@ impl LoaderThread {
     }
 
     fn post(&mut self, job: LoadJob, name: String) {
-        if job.kind == LoadKind::Release {
-            let r = self.release(&job, &name);
-            self.report(job.request_id, LoadOutcome::Released(r));
-            return;
+        match &job.kind {
+            LoadKind::Release => {
+                let r = self.release(&job, &name);
+                self.report(job.request_id, LoadOutcome::Released(r));
+                return;
+            }
+            LoadKind::Notify(bytes) => {
+                let r = self
+                    .agent
+                    .send_notif(&name, bytes)
+                    .map_err(|e| e.to_string());
+                self.report(job.request_id, LoadOutcome::Released(r));
+                return;
+            }
+            LoadKind::Write { .. } => {
+                self.post_transfer(job, name);
+                return;
+            }
+            LoadKind::Read | LoadKind::Register | LoadKind::Reject(_) => {}
         }
         let Some(body) = job.claim_body.clone() else {
             self.fail(&job, "a READ without the params to claim its lease".into());
             return;
+        };
+        let (path, auth_header) = if job.kind == LoadKind::Register {
+            let path = crate::push::REGISTER_PATH;
+            (path, self.auth.as_ref().map(|a| a.sign_request("POST", path)))
+        } else {
+            (super::access::CLAIM_PATH, None)
         };
         let client = match self.client() {
             Ok(c) => c,
@@ -467,7 +526,7 @@ impl LoaderThread {
                 return;
             }
         };
-        let url = job.peer.url(super::access::CLAIM_PATH);
+        let url = job.peer.url(path);
         let tx = self.tx.clone();
         // The job waits in a slot the claim thread empties when it answers; if the thread
         // cannot start, it is still there to be failed.
@@ -477,7 +536,7 @@ impl LoaderThread {
             .spawn({
                 let slot = slot.clone();
                 move || {
-                    let answer = post_claim(&client, &url, body);
+                    let answer = post_json(&client, &url, body, auth_header.as_deref());
                     let taken = slot.lock().ok().and_then(|mut s| s.take());
                     if let Some((job, name)) = taken {
                         let _ = tx.send(Msg::Claimed(Box::new((job, name, answer))));
@@ -494,9 +553,19 @@ impl LoaderThread {
         }
     }
 
-    /// The producer answered a claim: READ if granted, else fail the load.
-    fn claimed(&mut self, job: LoadJob, name: String, answer: Result<(), String>) {
+    /// The producer answered a claim: READ if granted, else fail the load. A registration's
+    /// answer is reported as it is.
+    fn claimed(&mut self, job: LoadJob, name: String, answer: Result<(), PostError>) {
         self.claiming -= 1;
+        if job.kind == LoadKind::Register {
+            if let Err(e) = &answer {
+                tracing::warn!(request = job.request_id, producer = %job.peer,
+                    "KV push registration failed: {}", e.reason);
+            }
+            self.report(job.request_id, LoadOutcome::Registered(answer));
+            return;
+        }
+        let answer = answer.map_err(|e| e.reason);
         if job.cancelled() {
             // Granted or not, nothing was posted: tell the producer, then report.
             let _ = self.release(&job, &name);
@@ -522,7 +591,7 @@ impl LoaderThread {
                 );
                 self.delayed.push((Instant::now() + delay, job, name));
             }
-            None => self.post_read(job, name),
+            None => self.post_transfer(job, name),
         }
     }
 
@@ -541,33 +610,51 @@ impl LoaderThread {
                 let _ = self.release(&job, &name);
                 self.report(job.request_id, LoadOutcome::Cancelled);
             } else {
-                self.post_read(job, name);
+                self.post_transfer(job, name);
             }
         }
     }
 
-    fn post_read(&mut self, mut job: LoadJob, name: String) {
+    /// Posts a READ (pull) or a WRITE (push) of the job's blocks.
+    fn post_transfer(&mut self, mut job: LoadJob, name: String) {
+        let write = match &job.kind {
+            LoadKind::Write { deadline, .. } => {
+                if Instant::now() >= *deadline {
+                    self.fail(&job, "the consumer's registration expired before the WRITE".into());
+                    return;
+                }
+                true
+            }
+            _ => false,
+        };
+        let what = if write { "WRITE" } else { "READ" };
         if let Some((f, rng)) = &mut self.fault {
             if f.kind == TransportFaultKind::WrongBlock && rng.hit(f.probability) {
-                if let Some(what) = wrong_block(&mut job.remote, rng) {
+                // The source side is shuffled: a WRITE never lands outside its own blocks.
+                let source = if write { &mut job.local } else { &mut job.remote };
+                if let Some(shifted) = wrong_block(source, rng) {
                     tracing::warn!(
                         request = job.request_id,
-                        "transport fault injected (wrong_block, testing only): the READ {what}"
+                        "transport fault injected (wrong_block, testing only): the {what} {shifted}"
                     );
                 }
             }
         }
-        let renew = PullNotif::Renew(&job.remote_request_id).encode();
-        if let Err(e) = self.agent.send_notif(&name, &renew) {
-            self.forget(&job.peer, &name);
-            self.fail(&job, format!("producer {} unreachable: {e}", job.peer));
-            return;
-        }
-        let done = PullNotif::Done(&job.remote_request_id).encode();
-        match self
-            .agent
-            .read_blocks(&name, &job.local, &job.remote, Some(done))
-        {
+        let posted = if let LoadKind::Write { notif, .. } = &job.kind {
+            self.agent
+                .write_blocks(&name, &job.local, &job.remote, Some(notif.clone()))
+        } else {
+            let renew = PullNotif::Renew(&job.remote_request_id).encode();
+            if let Err(e) = self.agent.send_notif(&name, &renew) {
+                self.forget(&job.peer, &name);
+                self.fail(&job, format!("producer {} unreachable: {e}", job.peer));
+                return;
+            }
+            let done = PullNotif::Done(&job.remote_request_id).encode();
+            self.agent
+                .read_blocks(&name, &job.local, &job.remote, Some(done))
+        };
+        match posted {
             Ok(handle) => {
                 let now = Instant::now();
                 self.in_flight.push(InFlight {
@@ -589,7 +676,7 @@ impl LoaderThread {
                 if peer_gone {
                     self.forget(&job.peer, &name);
                 }
-                self.fail(&job, format!("READ from producer {} failed: {e}", job.peer));
+                self.fail_transfer(&job, &name, format!("{what} with peer {} failed: {e}", job.peer));
             }
         }
     }
@@ -605,26 +692,30 @@ impl LoaderThread {
                 Failed(String, bool),
                 Cancelled,
             }
+            let (what, deadline) = match &f.job.kind {
+                LoadKind::Write { deadline, .. } => ("WRITE to consumer", *deadline),
+                _ => ("READ from producer", f.posted + self.config.load_timeout),
+            };
             let next = if f.job.cancelled() {
                 Next::Cancelled
             } else {
                 match f.handle.poll() {
                     TransferStatus::Done(stats) => Next::Done(stats),
-                    TransferStatus::Failed(e) => Next::Failed(
-                        format!("READ from producer {} failed: {e}", f.job.peer),
+                    TransferStatus::Failed(e) => {
+                        Next::Failed(format!("{what} {} failed: {e}", f.job.peer), true)
+                    }
+                    TransferStatus::Pending if Instant::now() >= deadline => Next::Failed(
+                        format!(
+                            "{what} {} did not complete within {:?}",
+                            f.job.peer,
+                            deadline.saturating_duration_since(f.posted)
+                        ),
                         true,
                     ),
-                    TransferStatus::Pending if f.posted.elapsed() >= self.config.load_timeout => {
-                        Next::Failed(
-                            format!(
-                                "READ from producer {} did not complete within {:?}",
-                                f.job.peer, self.config.load_timeout
-                            ),
-                            true,
-                        )
-                    }
                     TransferStatus::Pending => {
-                        if f.last_renew.elapsed() >= self.config.kv_lease_duration / 2 {
+                        if f.job.kind == LoadKind::Read
+                            && f.last_renew.elapsed() >= self.config.kv_lease_duration / 2
+                        {
                             f.last_renew = Instant::now();
                             let renew = PullNotif::Renew(&f.job.remote_request_id).encode();
                             if let Err(e) = self.agent.send_notif(&f.peer_name, &renew) {
@@ -655,11 +746,10 @@ impl LoaderThread {
                     self.report(f.job.request_id, LoadOutcome::Loaded(stats));
                 }
                 Next::Failed(reason, forget) => {
-                    let _ = self.release(&f.job, &f.peer_name);
+                    self.fail_transfer(&f.job, &f.peer_name, reason);
                     if forget {
                         self.forget(&f.job.peer, &f.peer_name);
                     }
-                    self.fail(&f.job, reason);
                 }
                 Next::Cancelled => {
                     let _ = self.release(&f.job, &f.peer_name);
@@ -670,14 +760,25 @@ impl LoaderThread {
     }
 }
 
-/// `POST url` with a claim body → granted, or the producer's reason.
-fn post_claim(client: &reqwest::blocking::Client, url: &str, body: String) -> Result<(), String> {
-    let resp = client
+/// `POST url` with a JSON body (a claim, or a push registration, signed with `auth_header`) →
+/// granted, or the peer's reason.
+fn post_json(
+    client: &reqwest::blocking::Client,
+    url: &str,
+    body: String,
+    auth_header: Option<&str>,
+) -> Result<(), PostError> {
+    let mut req = client
         .post(url)
         .header(reqwest::header::CONTENT_TYPE, "application/json")
-        .body(body)
-        .send()
-        .map_err(|e| format!("lease claim {url} unreachable: {}", error_chain(&e)))?;
+        .body(body);
+    if let Some(h) = auth_header {
+        req = req.header(crate::auth::KV_AUTH_HEADER, h);
+    }
+    let resp = req.send().map_err(|e| PostError {
+        reason: format!("{url} unreachable: {}", error_chain(&e)),
+        maybe_delivered: !e.is_connect(),
+    })?;
     let status = resp.status();
     if status.is_success() {
         return Ok(());
@@ -688,9 +789,14 @@ fn post_claim(client: &reqwest::blocking::Client, url: &str, body: String) -> Re
         .ok()
         .and_then(|v| v["error"]["message"].as_str().map(str::to_string))
         .unwrap_or(text);
-    Err(format!(
-        "the producer refused the lease claim (HTTP {status}): {reason}"
-    ))
+    let what = if url.ends_with(super::access::CLAIM_PATH) {
+        "the lease claim"
+    } else {
+        "the push registration"
+    };
+    Err(PostError::undelivered(format!(
+        "the producer refused {what} (HTTP {status}): {reason}"
+    )))
 }
 
 /// `GET url` → a validated [`NixlHandshake`], or why not.

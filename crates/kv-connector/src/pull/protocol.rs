@@ -101,6 +101,19 @@ pub enum LoadKind {
     Release,
     /// The scheduler side found the load impossible; the worker reports it failed at once.
     Reject(String),
+    /// Push producer: WRITE `local` into the consumer's `remote` blocks with `notif` attached,
+    /// never after `deadline` (not posted after it; abandoned if still in flight then); on a
+    /// failure, `fail_notif` tells the consumer (best effort). Reported `Loaded` or `Failed`.
+    Write {
+        notif: Vec<u8>,
+        fail_notif: Vec<u8>,
+        deadline: Instant,
+    },
+    /// Push consumer: after the producer's handshake, POST the job's body (the registration) to
+    /// its register route. Reported `Registered`.
+    Register,
+    /// Send this notification to the peer (after its handshake). Reported `Released`.
+    Notify(Vec<u8>),
 }
 
 /// One consumer load (or release) for the workers.

@@ -36,7 +36,7 @@ use crate::base::{
     ConnectorMetadata, ConnectorOutput, ConnectorRequest, FinishKind, FinishedAction,
     KvChecksumCarrier, KvConnectorScheduler, MatchedTokens,
 };
-use crate::config::KvRole;
+use crate::config::{KvMode, KvRole};
 use crate::error::KvConnectorError;
 use crate::params::{RemotePrefill, TransferRequest, SUPPORTED_TP_SIZE};
 
@@ -140,11 +140,13 @@ impl NixlPullScheduler {
     }
 
     fn parse(&self, request: &ConnectorRequest<'_>) -> Result<TransferRequest, KvConnectorError> {
-        TransferRequest::parse(
+        let t = TransferRequest::parse(
             request.kv_transfer_params,
             request.prompt_token_ids.len(),
             self.config.block_size,
-        )
+        )?;
+        t.check_mode(KvMode::Pull)?;
+        Ok(t)
     }
 
     fn peer(remote: &RemotePrefill) -> PeerAddr {
@@ -211,9 +213,10 @@ impl KvConnectorScheduler for NixlPullScheduler {
                     "do_remote_decode on an instance that is not a producer; serving it locally");
                 return Ok(MatchedTokens::default());
             }
-            TransferRequest::Local | TransferRequest::Producer => {
-                return Ok(MatchedTokens::default())
-            }
+            TransferRequest::Local
+            | TransferRequest::Producer
+            | TransferRequest::PushProducer { .. }
+            | TransferRequest::PushConsumer(_) => return Ok(MatchedTokens::default()),
         };
         if !self.config.role.is_consumer() {
             tracing::warn!(request = %request.external_id, role = self.config.role.as_str(),

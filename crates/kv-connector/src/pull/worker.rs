@@ -215,6 +215,8 @@ impl NixlPullWorker {
                     }
                     continue;
                 }
+                // Pull submits no registrations.
+                LoadOutcome::Registered(_) => continue,
                 _ if cancelled => {
                     self.jobs.remove(&id);
                     out.finished_sending.insert(id);

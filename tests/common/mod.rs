@@ -8,6 +8,9 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use futures::StreamExt;
+use serde_json::{json, Value};
+
 /// The repository root.
 pub fn repo_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -279,3 +282,81 @@ pub async fn prometheus_query(base: &str, query: &str) -> Option<f64> {
         .first()
         .map(|s| s["value"][1].as_str().unwrap().parse().unwrap())
 }
+
+// --- OpenAI completions through reqwest (greedy ids, streamed text) ---
+
+pub fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(300))
+        .build()
+        .unwrap()
+}
+
+pub async fn post(base: &str, path: &str, body: &Value) -> (u16, Value) {
+    let r = client()
+        .post(format!("{base}{path}"))
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    let st = r.status().as_u16();
+    (st, r.json().await.unwrap_or(Value::Null))
+}
+
+pub fn ids(v: &Value) -> Vec<u64> {
+    v["choices"][0]["token_ids"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no token ids in {v}"))
+        .iter()
+        .map(|x| x.as_u64().unwrap())
+        .collect()
+}
+
+pub async fn greedy_ids(base: &str, prompt: &str, max_tokens: usize) -> Vec<u64> {
+    let (st, v) = post(
+        base,
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": true}),
+    )
+    .await;
+    assert_eq!(st, 200, "{v}");
+    ids(&v)
+}
+
+/// Streams a completion and returns its text and the token ids of its chunks.
+pub async fn stream_text(base: &str, prompt: &str, max_tokens: usize) -> (String, Vec<u64>) {
+    let r = client()
+        .post(format!("{base}/v1/completions"))
+        .json(&json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": true, "return_token_ids": true}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let mut body = String::new();
+    let mut s = r.bytes_stream();
+    while let Some(c) = s.next().await {
+        body.push_str(&String::from_utf8_lossy(&c.unwrap()));
+    }
+    let (mut text, mut toks) = (String::new(), Vec::new());
+    for line in body.lines() {
+        let Some(d) = line.strip_prefix("data: ") else {
+            continue;
+        };
+        if d == "[DONE]" {
+            break;
+        }
+        let v: Value = serde_json::from_str(d).unwrap();
+        if let Some(c) = v["choices"].as_array().and_then(|c| c.first()) {
+            text.push_str(c["text"].as_str().unwrap_or(""));
+            toks.extend(
+                c["token_ids"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(|x| x.as_u64().unwrap()),
+            );
+        }
+    }
+    (text, toks)
+}
+

@@ -1,8 +1,8 @@
 //! Faults injected where the KV bytes move (testing only): what a broken network, a buggy
 //! producer or a slow consumer does to a transfer, for the checksums to catch. Configured with
 //! `kv_connector_extra_config.transport_fault_injection`:
-//! `{"kind": "corrupt_source" | "wrong_block" | "slow_read", "probability": p, "seed": s,
-//!   "delay": seconds}`.
+//! `{"kind": "corrupt_source" | "wrong_block" | "slow_read" | "drop_checksums" |
+//!   "garble_notif", "probability": p, "seed": s, "delay": seconds}`.
 //!
 //! - `corrupt_source` (producer): when a consumer's claim is granted, flip one bit of one byte of
 //!   one leased block in the producer's memory: after the prompt's checksums were taken, before
@@ -13,6 +13,9 @@
 //!   before it renews the lease and posts the READ. With a producer lease shorter than that, the
 //!   producer frees the blocks (and may reuse them) while the consumer still means to read them:
 //!   the race of a slow consumer, made deterministic.
+//! - Push mode (producer): `wrong_block` makes the WRITE take one position from another of the
+//!   producer's blocks; `drop_checksums` sends the completion notification without the
+//!   checksums; `garble_notif` sends a checksum notification that does not decode.
 //!
 //! Each fault is decided per transfer by an RNG seeded with `seed` (probability `p`, default 1),
 //! and logged as a warning when injected. Invariant: a fault only writes blocks of a lease the
@@ -33,6 +36,8 @@ pub enum TransportFaultKind {
     CorruptSource,
     WrongBlock,
     SlowRead,
+    DropChecksums,
+    GarbleNotif,
 }
 
 impl TransportFaultKind {
@@ -41,6 +46,8 @@ impl TransportFaultKind {
             TransportFaultKind::CorruptSource => "corrupt_source",
             TransportFaultKind::WrongBlock => "wrong_block",
             TransportFaultKind::SlowRead => "slow_read",
+            TransportFaultKind::DropChecksums => "drop_checksums",
+            TransportFaultKind::GarbleNotif => "garble_notif",
         }
     }
 
@@ -49,6 +56,8 @@ impl TransportFaultKind {
             "corrupt_source" => TransportFaultKind::CorruptSource,
             "wrong_block" => TransportFaultKind::WrongBlock,
             "slow_read" => TransportFaultKind::SlowRead,
+            "drop_checksums" => TransportFaultKind::DropChecksums,
+            "garble_notif" => TransportFaultKind::GarbleNotif,
             _ => return None,
         })
     }
@@ -84,7 +93,11 @@ impl TransportFault {
             .and_then(Value::as_str)
             .and_then(TransportFaultKind::parse)
             .ok_or_else(|| {
-                invalid("kind must be \"corrupt_source\", \"wrong_block\" or \"slow_read\"".into())
+                invalid(
+                    "kind must be \"corrupt_source\", \"wrong_block\", \"slow_read\", \
+                     \"drop_checksums\" or \"garble_notif\""
+                        .into(),
+                )
             })?;
         let probability = match obj.get("probability") {
             None => 1.0,
@@ -116,8 +129,18 @@ impl TransportFault {
             }
             (_, None) => Duration::ZERO,
         };
-        let needs_producer = kind == TransportFaultKind::CorruptSource;
-        if needs_producer && !role.is_producer() || !needs_producer && !role.is_consumer() {
+        // wrong_block is the consumer's in pull mode and the producer's in push mode: the
+        // connector checks it against its mode.
+        let needs_producer = matches!(
+            kind,
+            TransportFaultKind::CorruptSource
+                | TransportFaultKind::DropChecksums
+                | TransportFaultKind::GarbleNotif
+        );
+        let any_role = kind == TransportFaultKind::WrongBlock;
+        if !any_role
+            && (needs_producer && !role.is_producer() || !needs_producer && !role.is_consumer())
+        {
             return Err(invalid(format!(
                 "{} is injected by a {}, not a {}",
                 kind.as_str(),

@@ -343,6 +343,19 @@ impl KvConnectorWorker for NixlPullWorker {
             ));
         }
         if let Some(f) = self.config.transport_fault {
+            let applies = match f.kind {
+                TransportFaultKind::CorruptSource | TransportFaultKind::SlowRead => true,
+                TransportFaultKind::WrongBlock => self.config.role.is_consumer(),
+                TransportFaultKind::DropChecksums | TransportFaultKind::GarbleNotif => false,
+            };
+            if !applies {
+                return Err(KvConnectorError::InvalidConfig(format!(
+                    "transport_fault_injection {} does not apply to a pull {} (wrong_block is \
+                     a pull consumer's; drop_checksums and garble_notif are push faults)",
+                    f.kind.as_str(),
+                    self.config.role.as_str()
+                )));
+            }
             tracing::warn!(
                 kind = f.kind.as_str(),
                 probability = f.probability,

@@ -36,7 +36,7 @@ use super::protocol::{PushMetadata, PushNotif, PushSpec, RegisterSpec, Registrat
 use super::registry::PushRegistry;
 use crate::base::{ConnectorMetadata, ConnectorOutput, KvConnectorWorker};
 use crate::error::KvConnectorError;
-use crate::pull::fault::{TransportFault, TransportFaultKind};
+use crate::pull::fault::{SplitMix, TransportFault, TransportFaultKind};
 use crate::pull::loader::{LoadJob, LoadOutcome, Loader, LoaderConfig};
 use crate::pull::{HandshakeProvider, LoadKind, PeerAddr, PullWorkerConfig};
 use crate::nixl::NixlAgent;
@@ -50,6 +50,13 @@ const UNTRACKED: u64 = u64::MAX;
 /// in flight past `valid - margin`.
 fn write_margin(valid: Duration) -> Duration {
     (valid / 4).min(Duration::from_secs(1))
+}
+
+/// What a completion notification carries.
+enum NotifPayload {
+    Checksums(Option<String>),
+    /// Testing only (`garble_notif`): bytes that do not decode.
+    Garbled(Vec<u8>),
 }
 
 #[derive(Debug)]
@@ -77,6 +84,8 @@ pub struct NixlPushWorker {
     loads: HashMap<u64, ConsumerLoad>,
     by_transfer: HashMap<String, u64>,
     pending: ConnectorOutput,
+    /// Testing only: the RNG of `transport_fault_injection`.
+    fault_rng: Option<SplitMix>,
 }
 
 impl std::fmt::Debug for NixlPushWorker {
@@ -104,6 +113,7 @@ impl NixlPushWorker {
             loads: HashMap::new(),
             by_transfer: HashMap::new(),
             pending: ConnectorOutput::default(),
+            fault_rng: None,
         }
     }
 
@@ -329,17 +339,21 @@ impl NixlPushWorker {
             }
             return;
         }
+        let checksums = self.inject_notif_fault(id, spec.kv_checksums.clone());
         let valid = Duration::from_millis(reg.valid_ms);
         let deadline = at + valid - write_margin(valid);
         let first = reg.first_block;
         let mut job = Self::job(
             id,
             LoadKind::Write {
-                notif: PushNotif::Pushed {
-                    transfer_id: tid.clone(),
-                    kv_checksums: spec.kv_checksums.clone(),
-                }
-                .encode(),
+                notif: match checksums {
+                    NotifPayload::Checksums(kv_checksums) => PushNotif::Pushed {
+                        transfer_id: tid.clone(),
+                        kv_checksums,
+                    }
+                    .encode(),
+                    NotifPayload::Garbled(bytes) => bytes,
+                },
                 fail_notif: PushNotif::Failed {
                     transfer_id: tid.clone(),
                     reason: "the producer's WRITE failed".into(),
@@ -360,6 +374,27 @@ impl NixlPushWorker {
             self.registry.end(&tid, "the producer's transfer thread is gone");
             out.finished_sending.insert(id);
             out.stats.failures += 1;
+        }
+    }
+
+    /// Testing only: `drop_checksums` and `garble_notif` change what the completion notification
+    /// carries.
+    fn inject_notif_fault(&mut self, request_id: u64, checksums: Option<String>) -> NotifPayload {
+        let (Some(f), Some(rng)) = (self.config.transport_fault, self.fault_rng.as_mut()) else {
+            return NotifPayload::Checksums(checksums);
+        };
+        let hit = matches!(
+            f.kind,
+            TransportFaultKind::DropChecksums | TransportFaultKind::GarbleNotif
+        ) && rng.hit(f.probability);
+        if !hit {
+            return NotifPayload::Checksums(checksums);
+        }
+        tracing::warn!(request = request_id, kind = f.kind.as_str(),
+            "transport fault injected (testing only): the push completion notification is broken");
+        match f.kind {
+            TransportFaultKind::DropChecksums => NotifPayload::Checksums(None),
+            _ => NotifPayload::Garbled(b"tandem/v2/pushed+ck:{\"v\":1,\"garbled".to_vec()),
         }
     }
 
@@ -421,12 +456,21 @@ impl KvConnectorWorker for NixlPushWorker {
         }
         let fault = self.config.transport_fault;
         if let Some(f) = fault {
-            if f.kind != TransportFaultKind::WrongBlock {
+            let push_fault = matches!(
+                f.kind,
+                TransportFaultKind::WrongBlock
+                    | TransportFaultKind::DropChecksums
+                    | TransportFaultKind::GarbleNotif
+            );
+            if !push_fault || !self.config.role.is_producer() {
                 return Err(KvConnectorError::InvalidConfig(format!(
-                    "transport_fault_injection {:?} is a pull fault; push supports wrong_block",
-                    f.kind.as_str()
+                    "transport_fault_injection {} does not apply to a push {}: push faults are \
+                     a producer's wrong_block, drop_checksums and garble_notif",
+                    f.kind.as_str(),
+                    self.config.role.as_str()
                 )));
             }
+            self.fault_rng = Some(SplitMix::new(f.seed));
             tracing::warn!(kind = f.kind.as_str(), probability = f.probability,
                 "transport fault injection is on (testing only): KV pushes will be broken on purpose");
         }

@@ -3,10 +3,7 @@
 
 mod common;
 
-use std::time::Duration;
-
-use common::{greedy_ids, ids, post, stream_text, Server};
-use futures::StreamExt;
+use common::{client, greedy_ids, ids, post, stream_text, Server};
 use serde_json::{json, Value};
 
 const PRODUCER: &str = r#"{"kv_connector":"NixlConnector","kv_role":"kv_producer"}"#;

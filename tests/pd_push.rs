@@ -157,7 +157,10 @@ async fn push_faults_are_caught_and_handled_by_policy() {
         common::wait_all_free(&[&d.prefill, &d.decode]).await;
         drop(d);
         // fail-closed + fail: the client gets the error.
-        let d = deploy(&producer_cfg(transport), &consumer_cfg("fail", 30.0, engine));
+        let d = deploy(
+            &producer_cfg(transport),
+            &consumer_cfg("fail", 30.0, engine),
+        );
         let (st, v) = post(
             &d.proxy.base,
             "/v1/completions",
@@ -183,7 +186,10 @@ async fn a_notification_that_does_not_decode_ends_the_load_by_its_timeout() {
     );
     let t = std::time::Instant::now();
     assert_eq!(greedy_ids(&d.proxy.base, prompt, 8).await, want);
-    assert!(t.elapsed() >= Duration::from_secs(2), "waited for the timeout");
+    assert!(
+        t.elapsed() >= Duration::from_secs(2),
+        "waited for the timeout"
+    );
     assert_eq!(
         d.decode
             .metric("tandem:kv_transfer_failed_notifications_total", &[])
@@ -290,7 +296,10 @@ async fn modes_do_not_mix() {
     .await;
     assert_eq!(st, 400, "{v}");
     let msg = v["error"]["message"].as_str().unwrap_or_default();
-    assert!(msg.contains("pull mode") && msg.contains("--kv-mode push"), "{msg}");
+    assert!(
+        msg.contains("pull mode") && msg.contains("--kv-mode push"),
+        "{msg}"
+    );
     // Push params reach a pull consumer: 400 too.
     let (st, v) = post(
         &pull_consumer.base,

@@ -246,10 +246,12 @@ async fn push_request(ctx: &Ctx, client_body: ClientBody) -> Result<Response, Pr
     let transfer_id = uuid::Uuid::new_v4().simple().to_string();
     let lease = ctx.state.pool(Role::Prefill).acquire(None)?;
     let producer = lease.instance().clone();
-    let (host, port) = host_port(producer.url()).ok_or_else(|| ProxyError::Config(format!(
-        "prefill URL {} has no host and port a decode instance can reach",
-        producer.url()
-    )))?;
+    let (host, port) = host_port(producer.url()).ok_or_else(|| {
+        ProxyError::Config(format!(
+            "prefill URL {} has no host and port a decode instance can reach",
+            producer.url()
+        ))
+    })?;
     let mut prefill = prefill_body(&client_body);
     if let Some(Value::Object(params)) = prefill.get_mut(KV_TRANSFER_PARAMS) {
         params.insert("transfer_id".into(), Value::String(transfer_id.clone()));
@@ -275,8 +277,9 @@ async fn push_request(ctx: &Ctx, client_body: ClientBody) -> Result<Response, Pr
     );
     // Aborts the prefill if this request is dropped or fails before the decode answers.
     let mut prefill_task = AbortOnDrop(Some(prefill_task));
-    let decode_call =
-        with_connect_retry(&ctx.state, Role::Decode, |lease| decode_once(ctx, lease, &decode));
+    let decode_call = with_connect_retry(&ctx.state, Role::Decode, |lease| {
+        decode_once(ctx, lease, &decode)
+    });
     tokio::pin!(decode_call);
     let handle = prefill_task.0.as_mut().expect("set above");
     tokio::select! {
@@ -321,7 +324,10 @@ impl<T> Drop for AbortOnDrop<T> {
 /// The host and port of a base URL, as a decode instance would address it.
 fn host_port(url: &str) -> Option<(String, u16)> {
     let url = reqwest::Url::parse(url).ok()?;
-    let host = url.host_str()?.trim_start_matches('[').trim_end_matches(']');
+    let host = url
+        .host_str()?
+        .trim_start_matches('[')
+        .trim_end_matches(']');
     Some((host.to_string(), url.port_or_known_default()?))
 }
 

@@ -359,4 +359,3 @@ pub async fn stream_text(base: &str, prompt: &str, max_tokens: usize) -> (String
     }
     (text, toks)
 }
-

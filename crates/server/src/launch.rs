@@ -16,8 +16,8 @@ use tandem_kv_cache::{CacheDtype, KvCacheConfig, KvCacheManager, KvStorage};
 use tandem_kv_connector::auth::{TransferAuth, SECRET_ENV};
 use tandem_kv_connector::base::{KvConnectorScheduler, KvConnectorWorker, NoopConnector};
 use tandem_kv_connector::config::{KvMode, KvTransferConfig, LoadFailurePolicy};
-use tandem_kv_connector::push::nixl_push_connector;
 use tandem_kv_connector::pull::{nixl_pull_connector, KvAdmission, KvPeerService};
+use tandem_kv_connector::push::nixl_push_connector;
 use tandem_models::{load_model, LoadOptions, TextTokenizer, WeightMode};
 
 use crate::config::{parse_bytes, ServeArgs};

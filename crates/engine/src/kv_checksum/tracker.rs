@@ -192,11 +192,13 @@ impl ChecksumTracker {
         let awaiting_connector = matches!(expected, ExpectedChecksums::FromConnector);
         let expected = match expected {
             ExpectedChecksums::FromConnector => Err(UnverifiedReason::Missing),
-            ExpectedChecksums::Params(params) => match params.and_then(|p| p.get(KV_CHECKSUMS_PARAM)) {
-                None | Some(Value::Null) => Err(UnverifiedReason::Missing),
-                Some(Value::String(s)) => Payload::decode(s),
-                Some(_) => Err(UnverifiedReason::Malformed),
-            },
+            ExpectedChecksums::Params(params) => {
+                match params.and_then(|p| p.get(KV_CHECKSUMS_PARAM)) {
+                    None | Some(Value::Null) => Err(UnverifiedReason::Missing),
+                    Some(Value::String(s)) => Payload::decode(s),
+                    Some(_) => Err(UnverifiedReason::Malformed),
+                }
+            }
         };
         let blocks = self.select(table, first_token, num_tokens);
         let fault = self.faults.as_mut().and_then(|(f, rng)| {

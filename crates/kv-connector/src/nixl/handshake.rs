@@ -223,7 +223,10 @@ impl NixlHandshake {
             ));
         }
         if KvMode::parse(&self.kv_mode).is_none() {
-            return bad(format!("kv_mode {:?} is not \"pull\" or \"push\"", self.kv_mode));
+            return bad(format!(
+                "kv_mode {:?} is not \"pull\" or \"push\"",
+                self.kv_mode
+            ));
         }
         if self.agent_name.is_empty() || self.agent_metadata.is_empty() {
             return bad("empty agent name or metadata".into());

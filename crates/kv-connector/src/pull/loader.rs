@@ -515,7 +515,10 @@ impl LoaderThread {
         };
         let (path, auth_header) = if job.kind == LoadKind::Register {
             let path = crate::push::REGISTER_PATH;
-            (path, self.auth.as_ref().map(|a| a.sign_request("POST", path)))
+            (
+                path,
+                self.auth.as_ref().map(|a| a.sign_request("POST", path)),
+            )
         } else {
             (super::access::CLAIM_PATH, None)
         };
@@ -620,7 +623,10 @@ impl LoaderThread {
         let write = match &job.kind {
             LoadKind::Write { deadline, .. } => {
                 if Instant::now() >= *deadline {
-                    self.fail(&job, "the consumer's registration expired before the WRITE".into());
+                    self.fail(
+                        &job,
+                        "the consumer's registration expired before the WRITE".into(),
+                    );
                     return;
                 }
                 true
@@ -631,7 +637,11 @@ impl LoaderThread {
         if let Some((f, rng)) = &mut self.fault {
             if f.kind == TransportFaultKind::WrongBlock && rng.hit(f.probability) {
                 // The source side is shuffled: a WRITE never lands outside its own blocks.
-                let source = if write { &mut job.local } else { &mut job.remote };
+                let source = if write {
+                    &mut job.local
+                } else {
+                    &mut job.remote
+                };
                 if let Some(shifted) = wrong_block(source, rng) {
                     tracing::warn!(
                         request = job.request_id,
@@ -676,7 +686,11 @@ impl LoaderThread {
                 if peer_gone {
                     self.forget(&job.peer, &name);
                 }
-                self.fail_transfer(&job, &name, format!("{what} with peer {} failed: {e}", job.peer));
+                self.fail_transfer(
+                    &job,
+                    &name,
+                    format!("{what} with peer {} failed: {e}", job.peer),
+                );
             }
         }
     }

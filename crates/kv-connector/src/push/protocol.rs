@@ -76,7 +76,13 @@ impl PushNotif {
             PushNotif::Failed {
                 transfer_id,
                 reason,
-            } => [FAILED_PREFIX, transfer_id.as_bytes(), b"\n", reason.as_bytes()].concat(),
+            } => [
+                FAILED_PREFIX,
+                transfer_id.as_bytes(),
+                b"\n",
+                reason.as_bytes(),
+            ]
+            .concat(),
             PushNotif::Malformed(why) => why.as_bytes().to_vec(),
         }
     }

@@ -50,14 +50,17 @@ fn invalid(msg: String) -> KvConnectorError {
 
 /// Checks a registration on its own (not yet against any request).
 pub fn validate(reg: &Registration) -> Result<(), KvConnectorError> {
-    let id_ok = |s: &str| !s.is_empty() && s.len() <= MAX_ID_LEN && !s.chars().any(char::is_control);
+    let id_ok =
+        |s: &str| !s.is_empty() && s.len() <= MAX_ID_LEN && !s.chars().any(char::is_control);
     if !id_ok(&reg.transfer_id) {
         return Err(invalid(format!(
             "transfer_id must be 1 to {MAX_ID_LEN} bytes without control characters"
         )));
     }
     if !id_ok(&reg.consumer.engine_id) {
-        return Err(invalid("consumer.engine_id is not a valid engine id".into()));
+        return Err(invalid(
+            "consumer.engine_id is not a valid engine id".into(),
+        ));
     }
     if !valid_host(&reg.consumer.host) || reg.consumer.port == 0 {
         return Err(invalid(format!(
@@ -66,7 +69,9 @@ pub fn validate(reg: &Registration) -> Result<(), KvConnectorError> {
         )));
     }
     if reg.block_size == 0 || reg.num_tokens == 0 {
-        return Err(invalid("block_size and num_tokens must be at least 1".into()));
+        return Err(invalid(
+            "block_size and num_tokens must be at least 1".into(),
+        ));
     }
     if reg.valid_ms == 0 || reg.valid_ms > MAX_VALID_MS {
         return Err(invalid(format!(
@@ -133,7 +138,9 @@ impl PushRegistry {
                 "{MAX_ENTRIES} transfers are pending on this producer; try again later"
             )));
         }
-        inner.entries.insert(tid, Entry::Waiting(Box::new(reg), now));
+        inner
+            .entries
+            .insert(tid, Entry::Waiting(Box::new(reg), now));
         Ok(())
     }
 
@@ -155,9 +162,10 @@ impl PushRegistry {
         let mut inner = self.lock();
         let now = Instant::now();
         inner.prune(now);
-        let old = inner
-            .entries
-            .insert(transfer_id.to_string(), Entry::Ended(reason.to_string(), now));
+        let old = inner.entries.insert(
+            transfer_id.to_string(),
+            Entry::Ended(reason.to_string(), now),
+        );
         match old {
             Some(Entry::Waiting(reg, _)) => Some(*reg),
             _ => None,
@@ -187,7 +195,9 @@ impl Inner {
     fn prune(&mut self, now: Instant) {
         let hold = self.hold;
         self.entries.retain(|_, e| match e {
-            Entry::Waiting(_, at) | Entry::Ended(_, at) => now.saturating_duration_since(*at) < hold,
+            Entry::Waiting(_, at) | Entry::Ended(_, at) => {
+                now.saturating_duration_since(*at) < hold
+            }
             Entry::Taken => true,
         });
     }
@@ -226,7 +236,10 @@ mod tests {
         assert!(r.register(reg("t1", vec![7, 8, 9])).is_err());
         assert_eq!(r.end("t1", "pushed"), None);
         let e = r.register(reg("t1", vec![7, 8, 9])).unwrap_err();
-        assert!(e.to_string().contains("has ended on this producer: pushed"), "{e}");
+        assert!(
+            e.to_string().contains("has ended on this producer: pushed"),
+            "{e}"
+        );
         // A waiting registration is handed back when its transfer ends untaken.
         r.register(reg("t2", vec![1, 2, 3])).unwrap();
         assert_eq!(r.end("t2", "aborted").unwrap().transfer_id, "t2");
@@ -250,7 +263,10 @@ mod tests {
         validate(&reg("t", vec![])).unwrap();
         let mut bad = reg("t", vec![1, 2]);
         bad.first_block = 0;
-        assert!(validate(&bad).unwrap_err().to_string().contains("do not end"));
+        assert!(validate(&bad)
+            .unwrap_err()
+            .to_string()
+            .contains("do not end"));
         assert!(validate(&reg("t", vec![1, 1, 2])).is_err(), "duplicates");
         let mut bad = reg("t", vec![1, 2, 3]);
         bad.consumer.host = "a b".into();

@@ -392,7 +392,11 @@ mod tests {
         assert_eq!(m.pushes.len(), 1);
         let push = &m.pushes[0];
         assert_eq!(
-            (push.transfer_id.as_str(), &push.block_ids[..], push.num_tokens),
+            (
+                push.transfer_id.as_str(),
+                &push.block_ids[..],
+                push.num_tokens
+            ),
             ("t1", &[7, 8, 9][..], 9)
         );
         assert_eq!(push.kv_checksums.as_deref(), Some("CK"));
@@ -442,7 +446,11 @@ mod tests {
         assert_eq!((g.first_block, &g.block_ids[..]), (1, &[31, 32][..]));
         assert_eq!((g.num_tokens, g.block_size, g.valid_ms), (10, 4, 20_000));
         assert_eq!(
-            (g.consumer.host.as_str(), g.consumer.port, g.consumer.engine_id.as_str()),
+            (
+                g.consumer.host.as_str(),
+                g.consumer.port,
+                g.consumer.engine_id.as_str()
+            ),
             ("10.0.0.2", 8200, "d0")
         );
         // Ending mid-load holds the blocks until the workers release them.

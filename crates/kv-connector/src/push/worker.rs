@@ -36,10 +36,10 @@ use super::protocol::{PushMetadata, PushNotif, PushSpec, RegisterSpec, Registrat
 use super::registry::PushRegistry;
 use crate::base::{ConnectorMetadata, ConnectorOutput, KvConnectorWorker};
 use crate::error::KvConnectorError;
+use crate::nixl::NixlAgent;
 use crate::pull::fault::{SplitMix, TransportFault, TransportFaultKind};
 use crate::pull::loader::{LoadJob, LoadOutcome, Loader, LoaderConfig};
 use crate::pull::{HandshakeProvider, LoadKind, PeerAddr, PullWorkerConfig};
-use crate::nixl::NixlAgent;
 
 /// How much longer than a registration's window the consumer waits before it may reuse blocks.
 pub const WRITE_GRACE: Duration = Duration::from_secs(1);
@@ -101,7 +101,11 @@ impl std::fmt::Debug for NixlPushWorker {
 
 impl NixlPushWorker {
     /// A worker side; `registry` is the one the producer's HTTP route fills.
-    pub fn new(config: PullWorkerConfig, handshake: HandshakeProvider, registry: PushRegistry) -> Self {
+    pub fn new(
+        config: PullWorkerConfig,
+        handshake: HandshakeProvider,
+        registry: PushRegistry,
+    ) -> Self {
         NixlPushWorker {
             config,
             handshake,
@@ -200,7 +204,12 @@ impl NixlPushWorker {
         }
     }
 
-    fn registered(&mut self, out: &mut ConnectorOutput, request_id: u64, answer: Result<(), crate::pull::loader::PostError>) {
+    fn registered(
+        &mut self,
+        out: &mut ConnectorOutput,
+        request_id: u64,
+        answer: Result<(), crate::pull::loader::PostError>,
+    ) {
         let window = self.config.load_timeout + WRITE_GRACE;
         match answer {
             Err(e) if !e.maybe_delivered => self.end_load(out, request_id, Some(e.reason)),
@@ -258,9 +267,11 @@ impl NixlPushWorker {
                     }
                     self.end_load(out, id, None);
                 }
-                Err(reason) => {
-                    self.end_load(out, id, Some(format!("the producer did not push the KV: {reason}")))
-                }
+                Err(reason) => self.end_load(
+                    out,
+                    id,
+                    Some(format!("the producer did not push the KV: {reason}")),
+                ),
             }
         }
     }
@@ -306,13 +317,20 @@ impl NixlPushWorker {
             tracing::warn!(request = spec.request_id, transfer_id = %tid,
                 lease = ?self.config.kv_lease_duration,
                 "no consumer registered for the pushed KV before the lease expired; freeing");
-            self.registry.end(&tid, "its lease expired before a consumer registered");
+            self.registry
+                .end(&tid, "its lease expired before a consumer registered");
             out.finished_sending.insert(spec.request_id);
             out.stats.expired_leases += 1;
         }
     }
 
-    fn start_write(&mut self, out: &mut ConnectorOutput, spec: PushSpec, reg: Registration, at: Instant) {
+    fn start_write(
+        &mut self,
+        out: &mut ConnectorOutput,
+        spec: PushSpec,
+        reg: Registration,
+        at: Instant,
+    ) {
         let id = spec.request_id;
         let tid = spec.transfer_id.clone();
         let bs = spec.block_ids.len();
@@ -330,7 +348,9 @@ impl NixlPushWorker {
             None
         };
         if reg.block_ids.is_empty() || refusal.is_some() {
-            let reason = refusal.clone().unwrap_or_else(|| "released by the consumer".into());
+            let reason = refusal
+                .clone()
+                .unwrap_or_else(|| "released by the consumer".into());
             self.registry.end(&tid, &reason);
             out.finished_sending.insert(id);
             if let Some(reason) = refusal {
@@ -371,7 +391,8 @@ impl NixlPushWorker {
         if self.submit(job) {
             self.writing.insert(id, tid);
         } else {
-            self.registry.end(&tid, "the producer's transfer thread is gone");
+            self.registry
+                .end(&tid, "the producer's transfer thread is gone");
             out.finished_sending.insert(id);
             out.stats.failures += 1;
         }
@@ -390,8 +411,11 @@ impl NixlPushWorker {
         if !hit {
             return NotifPayload::Checksums(checksums);
         }
-        tracing::warn!(request = request_id, kind = f.kind.as_str(),
-            "transport fault injected (testing only): the push completion notification is broken");
+        tracing::warn!(
+            request = request_id,
+            kind = f.kind.as_str(),
+            "transport fault injected (testing only): the push completion notification is broken"
+        );
         match f.kind {
             TransportFaultKind::DropChecksums => NotifPayload::Checksums(None),
             _ => NotifPayload::Garbled(b"tandem/v2/pushed+ck:{\"v\":1,\"garbled".to_vec()),
@@ -405,7 +429,11 @@ impl NixlPushWorker {
             reason: reason.to_string(),
         }
         .encode();
-        self.submit(Self::job(UNTRACKED, LoadKind::Notify(notif), reg.consumer.peer()));
+        self.submit(Self::job(
+            UNTRACKED,
+            LoadKind::Notify(notif),
+            reg.consumer.peer(),
+        ));
     }
 
     fn drain_loader(&mut self, out: &mut ConnectorOutput) {
@@ -415,7 +443,9 @@ impl NixlPushWorker {
         for r in loader.drain() {
             let id = r.request_id;
             match r.outcome {
-                LoadOutcome::Registered(answer) if id != UNTRACKED => self.registered(out, id, answer),
+                LoadOutcome::Registered(answer) if id != UNTRACKED => {
+                    self.registered(out, id, answer)
+                }
                 LoadOutcome::Registered(Err(e)) => {
                     tracing::debug!("KV push release not delivered: {}", e.reason)
                 }
@@ -526,8 +556,14 @@ impl KvConnectorWorker for NixlPushWorker {
             self.waiting.insert(spec.transfer_id.clone(), spec.clone());
         }
         for tid in &meta.aborted {
-            if let Some(reg) = self.registry.end(tid, "the producer's request ended without KV (aborted or failed)") {
-                self.notify_failed(&reg, "the producer's request ended without KV (aborted or failed)");
+            if let Some(reg) = self.registry.end(
+                tid,
+                "the producer's request ended without KV (aborted or failed)",
+            ) {
+                self.notify_failed(
+                    &reg,
+                    "the producer's request ended without KV (aborted or failed)",
+                );
             }
         }
         Ok(())

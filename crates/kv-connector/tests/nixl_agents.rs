@@ -277,12 +277,18 @@ fn incompatible_or_forged_handshakes_are_refused_before_loading() {
         "{m}"
     );
     let mut v2 = good.clone();
-    v2.protocol_version = 2;
+    // Another connector version (push bumped it to 2) never connects.
+    v2.protocol_version = 99;
     let m = mismatch(&v2);
     assert!(
         matches!(m, HandshakeMismatch::ProtocolVersion { .. }),
         "{m}"
     );
+    // A push agent's handshake is refused by a pull agent, naming both modes.
+    let mut push = good.clone();
+    push.kv_mode = "push".into();
+    let m = mismatch(&push);
+    assert!(matches!(m, HandshakeMismatch::KvMode { .. }), "{m}");
     let err = consumer
         .add_peer(&rebuilt("llama-3.2-1b", good.layers.clone()))
         .unwrap_err()

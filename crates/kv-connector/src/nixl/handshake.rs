@@ -465,10 +465,14 @@ mod tests {
         assert!(matches!(
             mismatch(&peer),
             HandshakeMismatch::ProtocolVersion {
-                ours: 1,
+                ours: HANDSHAKE_PROTOCOL_VERSION,
                 theirs: 99
             }
         ));
+        let peer = ours.clone().with_kv_mode(KvMode::Push);
+        let e = mismatch(&peer);
+        assert!(matches!(e, HandshakeMismatch::KvMode { .. }));
+        assert!(e.to_string().contains("the peer runs push mode, this instance runs pull mode"));
         let mut peer = ours.clone();
         peer.tp_size = 2;
         peer.tp_rank = 1;

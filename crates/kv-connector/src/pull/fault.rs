@@ -326,9 +326,14 @@ mod tests {
                 "by a producer",
             ),
             (
-                json!({"kind": "wrong_block"}),
+                json!({"kind": "slow_read", "delay": 1.0}),
                 KvRole::Producer,
                 "by a consumer",
+            ),
+            (
+                json!({"kind": "drop_checksums"}),
+                KvRole::Consumer,
+                "by a producer",
             ),
         ] {
             let e = parse(bad.clone(), role).unwrap_err().to_string();

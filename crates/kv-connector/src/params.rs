@@ -8,7 +8,9 @@
 //!   against the prompt before the request reaches the engine;
 //! - `{"do_remote_prefill": true, "remote_engine_id", "remote_request_id", "remote_block_ids",
 //!   "remote_host", "remote_port", "tp_size"}`: a consumer request (load the prompt's KV from the
-//!   producer, then decode). This is exactly what the producer answered ([`RemotePrefill::to_value`]).
+//!   producer, then decode). This is exactly what the producer answered ([`RemotePrefill::to_value`]),
+//!   with `remote_block_size`, the producer's tokens per block (absent: the consumer's own); a
+//!   consumer whose block size is a multiple of it regroups the producer's blocks into its own.
 //!
 //! Push mode (`NixlPushConnector`): the proxy sends one request to both instances at once, with
 //! one `transfer_id` (its own random id, never shown to clients):
@@ -42,6 +44,8 @@ pub const MAX_ID_LEN: usize = 256;
 pub const MAX_HOST_LEN: usize = 253;
 /// Most `remote_block_ids` accepted where the prompt's length is not known.
 pub const MAX_BLOCK_IDS: usize = 1 << 20;
+/// Largest `remote_block_size` accepted.
+pub const MAX_BLOCK_SIZE: usize = 1 << 16;
 /// The only TP size pull mode supports today.
 pub const SUPPORTED_TP_SIZE: u64 = 1;
 
@@ -138,6 +142,19 @@ impl RemotePush {
     }
 }
 
+/// `remote_block_size`, if present: 1..=[`MAX_BLOCK_SIZE`].
+fn get_block_size(obj: &Map<String, Value>) -> Result<Option<usize>, KvConnectorError> {
+    if matches!(obj.get("remote_block_size"), None | Some(Value::Null)) {
+        return Ok(None);
+    }
+    match get_uint(obj, "remote_block_size")? {
+        n @ 1.. if n as usize <= MAX_BLOCK_SIZE => Ok(Some(n as usize)),
+        n => Err(bad(format!(
+            "remote_block_size {n} is not in 1..={MAX_BLOCK_SIZE}"
+        ))),
+    }
+}
+
 /// `remote_host` and `remote_port`, checked.
 fn get_host_port(obj: &Map<String, Value>) -> Result<(String, u16), KvConnectorError> {
     let remote_host = match obj.get("remote_host") {
@@ -164,6 +181,9 @@ pub struct RemotePrefill {
     /// The producer's HTTP port (its handshake is served there).
     pub remote_port: u16,
     pub tp_size: u64,
+    /// The producer's tokens per block (`remote_block_size`; absent: the consumer's own). The
+    /// consumer's block size must be a multiple of it.
+    pub remote_block_size: Option<usize>,
 }
 
 fn bad(reason: impl Into<String>) -> KvConnectorError {
@@ -254,8 +274,16 @@ impl RemotePrefill {
         prompt_len: usize,
         block_size: usize,
     ) -> Result<RemotePrefill, KvConnectorError> {
-        let expected = prompt_len.div_ceil(block_size.max(1));
-        Self::parse_fields(obj, Some((expected, prompt_len, block_size)))
+        let remote_bs = get_block_size(obj)?.unwrap_or(block_size).max(1);
+        if !block_size.is_multiple_of(remote_bs) {
+            return Err(bad(format!(
+                "the producer's block size {remote_bs} does not divide this consumer's \
+                 {block_size}: in pull mode the consumer's blocks must be a multiple of the \
+                 producer's"
+            )));
+        }
+        let expected = prompt_len.div_ceil(remote_bs);
+        Self::parse_fields(obj, Some((expected, prompt_len, remote_bs)))
     }
 
     /// Parses a consumer's params without knowing its prompt (a producer checking a claim):
@@ -327,12 +355,13 @@ impl RemotePrefill {
             remote_host,
             remote_port,
             tp_size,
+            remote_block_size: get_block_size(obj)?,
         })
     }
 
     /// The `kv_transfer_params` a producer answers (and a consumer receives).
     pub fn to_value(&self) -> Value {
-        serde_json::json!({
+        let mut v = serde_json::json!({
             "do_remote_prefill": true,
             "do_remote_decode": false,
             "remote_engine_id": self.remote_engine_id,
@@ -341,7 +370,11 @@ impl RemotePrefill {
             "remote_host": self.remote_host,
             "remote_port": self.remote_port,
             "tp_size": self.tp_size,
-        })
+        });
+        if let Some(bs) = self.remote_block_size {
+            v["remote_block_size"] = Value::from(bs);
+        }
+        v
     }
 }
 

@@ -7,7 +7,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use tandem_kv_cache::CacheDtype;
+use tandem_kv_cache::{CacheDtype, KvPart};
 use tandem_kv_connector::nixl::{
     HandshakeMismatch, NixlAgentConfig, NixlHandshake, TransferOp, TransferStatus,
 };
@@ -264,18 +264,19 @@ fn incompatible_or_forged_handshakes_are_refused_before_loading() {
     let f32_agent = agent("prefill-f32", storage(4, 32, 16, CacheDtype::F32));
     let m = mismatch(&f32_agent.handshake().unwrap());
     assert!(matches!(m, HandshakeMismatch::Dtype { .. }), "{m}");
-    let bs32 = agent("prefill-bs32", storage(4, 32, 32, CacheDtype::Bf16));
-    let m = mismatch(&bs32.handshake().unwrap());
+    let bs24 = agent("prefill-bs24", storage(4, 32, 24, CacheDtype::Bf16));
+    let m = mismatch(&bs24.handshake().unwrap());
     assert!(
         matches!(
             m,
             HandshakeMismatch::BlockSize {
                 ours: 16,
-                theirs: 32
+                theirs: 24
             }
         ),
         "{m}"
     );
+    assert!(m.to_string().contains("16") && m.to_string().contains("24"));
     let mut v2 = good.clone();
     // Another connector version (push bumped it to 2) never connects.
     v2.protocol_version = 99;
@@ -420,4 +421,61 @@ fn agents_take_their_identity_from_the_config() {
     bad.tp_rank = 2;
     bad.tp_size = 2;
     assert!(tandem_kv_connector::nixl::NixlAgent::new(bad, small_storage()).is_err());
+}
+
+#[test]
+fn blocks_of_different_sizes_are_regrouped_by_the_side_with_the_larger_ones() {
+    // Pull: a consumer with 32-token blocks READs a producer's 16-token blocks, two per block.
+    let p_mem = storage(4, 32, 16, CacheDtype::Bf16);
+    let c_mem = storage(4, 16, 32, CacheDtype::Bf16);
+    fill_random(&p_mem, 5);
+    let producer = agent("prefill", p_mem.clone());
+    let consumer = agent("decode", c_mem.clone());
+    let peer = connect(&consumer, &producer);
+    assert_eq!(consumer.transfer_ratio(&peer).unwrap(), 2);
+    // Consumer block 3 <- producer 7 and 2; consumer block 9 (first half) <- producer 30.
+    consumer
+        .read_blocks(&peer, &[6, 7, 18], &[7, 2, 30], None)
+        .unwrap()
+        .wait(TIMEOUT)
+        .unwrap();
+    let half = 16 * 3 * 64 * 2;
+    for layer in 0..4 {
+        for part in [KvPart::K, KvPart::V] {
+            let dst = block(&c_mem, layer, part, 3);
+            assert_eq!(dst[..half], block(&p_mem, layer, part, 7)[..]);
+            assert_eq!(dst[half..], block(&p_mem, layer, part, 2)[..]);
+            let dst = block(&c_mem, layer, part, 9);
+            assert_eq!(dst[..half], block(&p_mem, layer, part, 30)[..]);
+            assert!(dst[half..].iter().all(|&b| b == 0), "the rest is untouched");
+        }
+    }
+    // The producer, with the smaller blocks, cannot move KV to or from the consumer.
+    let back = connect(&producer, &consumer);
+    let e = producer.read_blocks(&back, &[0], &[0], None).unwrap_err();
+    assert!(
+        e.to_string().contains("(32 tokens)") && e.to_string().contains("(16)"),
+        "{e}"
+    );
+
+    // Push: a producer with 32-token blocks WRITEs into a consumer's 16-token blocks.
+    let p_mem = storage(4, 16, 32, CacheDtype::Bf16);
+    let c_mem = storage(4, 32, 16, CacheDtype::Bf16);
+    fill_random(&p_mem, 6);
+    let producer = agent("prefill-push", p_mem.clone());
+    let consumer = agent("decode-push", c_mem.clone());
+    let peer = connect(&producer, &consumer);
+    producer
+        .write_blocks(&peer, &[10, 11], &[4, 20], None)
+        .unwrap()
+        .wait(TIMEOUT)
+        .unwrap();
+    for layer in 0..4 {
+        for part in [KvPart::K, KvPart::V] {
+            let src = block(&p_mem, layer, part, 5);
+            assert_eq!(block(&c_mem, layer, part, 4)[..], src[..half]);
+            assert_eq!(block(&c_mem, layer, part, 20)[..], src[half..]);
+        }
+    }
+    assert_blocks_zero(&c_mem, (0..32).filter(|b| ![4, 20].contains(b)));
 }

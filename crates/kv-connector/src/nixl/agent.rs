@@ -31,7 +31,7 @@ use nixl_sys::{
 use tandem_kv_cache::{BlockLayout, KvPart, KvStorage, MemoryRegion};
 
 use super::descriptors::{DescTable, RegionGeometry};
-use super::handshake::{LayerInfo, NixlHandshake, RegionInfo};
+use super::handshake::{HandshakeMismatch, LayerInfo, NixlHandshake, RegionInfo};
 use super::library::{load_nixl, NixlLibrary};
 use super::nixl_err;
 use crate::config::KvMode;
@@ -164,6 +164,8 @@ fn prepare_dlist(
 pub(crate) struct LocalSide {
     // Released in Drop, in this order, before `agent` and `_memory`.
     dlist: Option<XferDlistHandle>,
+    /// Lists over the same memory in smaller blocks, by ratio (peers with smaller blocks).
+    split: Mutex<HashMap<usize, Arc<SplitList>>>,
     registrations: Vec<RegistrationHandle>,
     pub(crate) table: DescTable,
     pub(crate) agent: Agent,
@@ -179,14 +181,42 @@ impl LocalSide {
     pub(crate) fn dlist(&self) -> &XferDlistHandle {
         self.dlist.as_ref().expect("present until drop")
     }
+
+    /// The local memory as blocks `ratio` times smaller, prepared once per ratio.
+    pub(crate) fn split_list(&self, ratio: usize) -> Result<Arc<SplitList>, KvConnectorError> {
+        let mut lists = self.split.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(l) = lists.get(&ratio) {
+            return Ok(l.clone());
+        }
+        let table = self.table.split(ratio)?;
+        let dlist = prepare_dlist(&self.agent, "", &table)
+            .map_err(|e| nixl_err("split descriptor list preparation", e))?;
+        let list = Arc::new(SplitList { dlist, table });
+        lists.insert(ratio, list.clone());
+        Ok(list)
+    }
 }
 
 impl Drop for LocalSide {
     fn drop(&mut self) {
         drop(self.dlist.take());
+        self.split
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
         self.registrations.clear();
     }
 }
+
+/// The local memory described in smaller blocks (see [`DescTable::split`]).
+pub(crate) struct SplitList {
+    pub(crate) dlist: XferDlistHandle,
+    pub(crate) table: DescTable,
+}
+
+// SAFETY: as for LocalSide (an immutable prepared list, used only in NIXL calls).
+unsafe impl Send for SplitList {}
+unsafe impl Sync for SplitList {}
 
 /// A peer whose handshake we accepted: its metadata is loaded and its list prepared.
 pub(crate) struct PeerEntry {
@@ -194,6 +224,8 @@ pub(crate) struct PeerEntry {
     dlist: Option<XferDlistHandle>,
     pub(crate) name: String,
     pub(crate) engine_id: String,
+    /// Tokens per block of the peer.
+    pub(crate) block_size: usize,
     metadata: Vec<u8>,
     pub(crate) table: DescTable,
     agent: Agent,
@@ -367,6 +399,7 @@ impl NixlAgent {
             peers: Mutex::new(HashMap::new()),
             local: Arc::new(LocalSide {
                 dlist: Some(dlist),
+                split: Mutex::new(HashMap::new()),
                 registrations,
                 table,
                 agent: agent.clone(),
@@ -457,7 +490,18 @@ impl NixlAgent {
             }
         }
         let table = DescTable::new(geometry)?;
-        self.local.table.check_pairs_with(&table)?;
+        // Different block sizes (checked compatible above) pair in the smaller one.
+        let ours = self.block_size();
+        if ours >= peer.block_size {
+            self.local
+                .table
+                .split(ours / peer.block_size)?
+                .check_pairs_with(&table)?;
+        } else {
+            self.local
+                .table
+                .check_pairs_with(&table.split(peer.block_size / ours)?)?;
+        }
 
         let loaded = self
             .agent
@@ -489,6 +533,7 @@ impl NixlAgent {
                 dlist: Some(dlist),
                 name: loaded.clone(),
                 engine_id: peer.engine_id.clone(),
+                block_size: peer.block_size,
                 metadata: peer.agent_metadata.clone(),
                 table,
                 agent: self.agent.clone(),
@@ -533,6 +578,35 @@ impl NixlAgent {
     }
 
     /// Blocks per array of a peer's cache.
+    /// Tokens per block of this agent's KV cache.
+    pub fn block_size(&self) -> usize {
+        self.layers.first().map(|l| l.block_size).unwrap_or(1)
+    }
+
+    /// How many of `peer`'s blocks one of ours holds, when this agent can move KV to or from it
+    /// (READ or WRITE): the side that moves the bytes needs blocks a multiple of the other's.
+    /// Block ids of a transfer with ratio `k > 1` are then in the peer's units: local block `b`
+    /// is the sub-blocks `b * k .. (b + 1) * k`.
+    pub fn transfer_ratio(&self, peer: &str) -> Result<usize, KvConnectorError> {
+        let p = self.peer(peer)?;
+        let ours = self.block_size();
+        if ours % p.block_size != 0 {
+            return Err(KvConnectorError::IncompatiblePeer {
+                engine_id: p.engine_id.clone(),
+                mismatch: HandshakeMismatch::BlockSizeDirection {
+                    ours,
+                    theirs: p.block_size,
+                },
+            });
+        }
+        Ok(ours / p.block_size)
+    }
+
+    /// The peer's tokens per block, once its handshake was accepted.
+    pub fn peer_block_size(&self, peer: &str) -> Option<usize> {
+        self.peer(peer).ok().map(|p| p.block_size)
+    }
+
     pub fn peer_num_blocks(&self, peer: &str) -> Option<usize> {
         self.peers
             .lock()

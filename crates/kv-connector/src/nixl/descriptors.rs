@@ -85,6 +85,28 @@ impl DescTable {
         })
     }
 
+    /// The same memory cut into blocks `ratio` times smaller (block `b` becomes sub-blocks
+    /// `b * ratio .. (b + 1) * ratio`): how a side with larger blocks pairs with a peer's
+    /// smaller ones. Needs every block's bytes to divide by `ratio`.
+    pub fn split(&self, ratio: usize) -> Result<DescTable, KvConnectorError> {
+        if ratio == 0 || self.regions.iter().any(|r| r.block_bytes % ratio != 0) {
+            return Err(KvConnectorError::InvalidRegions(format!(
+                "blocks cannot be split in {ratio}"
+            )));
+        }
+        DescTable::new(
+            self.regions
+                .iter()
+                .map(|r| RegionGeometry {
+                    addr: r.addr,
+                    len: r.len,
+                    block_bytes: r.block_bytes / ratio,
+                    num_blocks: r.num_blocks * ratio,
+                })
+                .collect(),
+        )
+    }
+
     pub fn regions(&self) -> &[RegionGeometry] {
         &self.regions
     }
@@ -291,6 +313,15 @@ mod tests {
                 block: 1
             })
         ));
+        // A table split in two pairs with blocks of half the size.
+        let split = table(2, 8, 32).split(2).unwrap();
+        assert_eq!(
+            (split.num_blocks(), split.regions()[0].block_bytes),
+            (16, 16)
+        );
+        assert_eq!(split.descriptors().nth(3), Some((0x10000 + 48, 16)));
+        plan_transfer(&split, &local, &[3], &[1], Side::Local).unwrap();
+        assert!(table(1, 2, 30).split(4).is_err());
         // Reading one remote block into two local blocks is fine.
         plan_transfer(&local, &remote, &[1, 2], &[0, 0], Side::Local).unwrap();
         assert!(plan_transfer(&local, &table(2, 8, 32), &[1], &[1], Side::Local).is_err());

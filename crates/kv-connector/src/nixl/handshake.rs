@@ -118,8 +118,17 @@ pub enum HandshakeMismatch {
     Model { ours: String, theirs: String },
     #[error("different KV cache dtype: {theirs} (ours is {ours})")]
     Dtype { ours: String, theirs: String },
-    #[error("different block size: {theirs} tokens (ours is {ours})")]
+    #[error(
+        "block sizes {ours} (ours) and {theirs} (the peer's) tokens: KV moves between different \
+         block sizes only when one is a multiple of the other and both layouts are token-major"
+    )]
     BlockSize { ours: usize, theirs: usize },
+    #[error(
+        "the peer's blocks ({theirs} tokens) are not a divisor of ours ({ours}): the side that \
+         moves the KV needs the larger blocks (pull: the consumer's block size a multiple of the \
+         producer's; push: the producer's a multiple of the consumer's)"
+    )]
+    BlockSizeDirection { ours: usize, theirs: usize },
     #[error("different layer count: {theirs} (ours is {ours})")]
     LayerCount { ours: usize, theirs: usize },
     #[error("different TP size: {theirs} (ours is {ours}); heterogeneous TP is not supported")]
@@ -308,11 +317,24 @@ impl NixlHandshake {
                 theirs: peer.dtype.clone(),
             });
         }
-        if peer.block_size != self.block_size {
-            return fail(HandshakeMismatch::BlockSize {
-                ours: self.block_size,
-                theirs: peer.block_size,
-            });
+        let same_blocks = peer.block_size == self.block_size;
+        if !same_blocks {
+            let (big, small) = if peer.block_size > self.block_size {
+                (peer.block_size, self.block_size)
+            } else {
+                (self.block_size, peer.block_size)
+            };
+            let token_major = |h: &NixlHandshake| {
+                h.layers
+                    .iter()
+                    .all(|l| l.order == order_name(LayoutOrder::TokenMajor))
+            };
+            if small == 0 || big % small != 0 || !token_major(self) || !token_major(peer) {
+                return fail(HandshakeMismatch::BlockSize {
+                    ours: self.block_size,
+                    theirs: peer.block_size,
+                });
+            }
         }
         if peer.num_layers != self.num_layers {
             return fail(HandshakeMismatch::LayerCount {
@@ -320,7 +342,8 @@ impl NixlHandshake {
                 theirs: peer.num_layers,
             });
         }
-        if peer.compat_hash != self.compat_hash {
+        // The hash covers the block size; with different ones every hashed field was compared.
+        if same_blocks && peer.compat_hash != self.compat_hash {
             return fail(HandshakeMismatch::CompatHash {
                 ours: self.compat_hash.clone(),
                 theirs: peer.compat_hash.clone(),
@@ -339,17 +362,28 @@ impl NixlHandshake {
             });
         }
         for (i, (ours, theirs)) in self.layers.iter().zip(&peer.layers).enumerate() {
+            // Between block sizes, blocks compare per token (token-major, checked above).
+            let scaled = |l: &LayerInfo| {
+                if same_blocks {
+                    (l.block_size.to_string(), l.block_bytes.to_string())
+                } else {
+                    (
+                        "per token".to_string(),
+                        (l.block_bytes / l.block_size.max(1)).to_string(),
+                    )
+                }
+            };
+            let ((ours_bs, ours_bytes), (theirs_bs, theirs_bytes)) = (scaled(ours), scaled(theirs));
+            let kernel = |l: &LayerInfo| {
+                if same_blocks {
+                    l.kernel_block_size.to_string()
+                } else {
+                    "any (token-major)".to_string()
+                }
+            };
             let fields: [(&'static str, String, String); 7] = [
-                (
-                    "block_size",
-                    ours.block_size.to_string(),
-                    theirs.block_size.to_string(),
-                ),
-                (
-                    "block_bytes",
-                    ours.block_bytes.to_string(),
-                    theirs.block_bytes.to_string(),
-                ),
+                ("block_size", ours_bs, theirs_bs),
+                ("block_bytes", ours_bytes, theirs_bytes),
                 (
                     "num_kv_heads",
                     ours.num_kv_heads.to_string(),
@@ -362,11 +396,7 @@ impl NixlHandshake {
                 ),
                 ("dtype", ours.dtype.clone(), theirs.dtype.clone()),
                 ("order", ours.order.clone(), theirs.order.clone()),
-                (
-                    "kernel_block_size",
-                    ours.kernel_block_size.to_string(),
-                    theirs.kernel_block_size.to_string(),
-                ),
+                ("kernel_block_size", kernel(ours), kernel(theirs)),
             ];
             for (field, o, t) in fields {
                 if o != t {
@@ -472,7 +502,9 @@ mod tests {
         let peer = ours.clone().with_kv_mode(KvMode::Push);
         let e = mismatch(&peer);
         assert!(matches!(e, HandshakeMismatch::KvMode { .. }));
-        assert!(e.to_string().contains("the peer runs push mode, this instance runs pull mode"));
+        assert!(e
+            .to_string()
+            .contains("the peer runs push mode, this instance runs pull mode"));
         let mut peer = ours.clone();
         peer.tp_size = 2;
         peer.tp_rank = 1;
@@ -493,38 +525,46 @@ mod tests {
             "{m}"
         );
         // Block size: rebuilt from layers with another block size, so the hash is consistent.
-        let l16 = BlockLayout::token_major(8, 32, 3, 64, CacheDtype::F32);
-        let mut peer = ours.clone();
-        for l in &mut peer.layers {
-            *l = LayerInfo::new(&l.name, &l16, l.k, l.v);
-            l.k.len *= 2;
-            l.v.len *= 2;
+        let with_block_size = |bs: usize, order: LayoutOrder| {
+            let mut layout = BlockLayout::token_major(8, bs, 3, 64, CacheDtype::F32);
+            layout.order = order;
+            let layers = ours
+                .layers
+                .iter()
+                .map(|l| {
+                    let mut n = LayerInfo::new(&l.name, &layout, l.k, l.v);
+                    n.k.len = n.k.len.max(layout.total_bytes() as u64);
+                    n.v.len = n.v.len.max(layout.total_bytes() as u64);
+                    n
+                })
+                .collect();
+            NixlHandshake::new("engine-b", "agent-b", vec![1], &ours.model, 0, 1, layers)
+        };
+        // A multiple or a divisor of ours, token-major: compatible (regrouped when moving).
+        ours.check_compatible(&with_block_size(32, LayoutOrder::TokenMajor))
+            .unwrap();
+        ours.check_compatible(&with_block_size(8, LayoutOrder::TokenMajor))
+            .unwrap();
+        // Neither, or head-major blocks that cannot be regrouped: refused, naming both sizes.
+        for peer in [
+            with_block_size(24, LayoutOrder::TokenMajor),
+            with_block_size(32, LayoutOrder::HeadMajor),
+        ] {
+            let m = mismatch(&peer);
+            assert!(
+                matches!(
+                    m,
+                    HandshakeMismatch::BlockSize { ours: 16, theirs }
+                        if theirs == peer.block_size
+                ),
+                "{m}"
+            );
+            let text = m.to_string();
+            assert!(
+                text.contains("block sizes 16 (ours) and") && text.contains("multiple"),
+                "{text}"
+            );
         }
-        let peer = NixlHandshake::new(
-            "engine-b",
-            "agent-b",
-            vec![1],
-            &peer.model,
-            0,
-            1,
-            peer.layers,
-        );
-        let m = mismatch(&peer);
-        assert!(
-            matches!(
-                m,
-                HandshakeMismatch::BlockSize {
-                    ours: 16,
-                    theirs: 32
-                }
-            ),
-            "{m}"
-        );
-        assert!(ours
-            .check_compatible(&peer)
-            .unwrap_err()
-            .to_string()
-            .contains("different block size: 32 tokens (ours is 16)"));
     }
 
     #[test]

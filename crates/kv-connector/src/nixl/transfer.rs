@@ -196,7 +196,8 @@ fn describe(e: &nixl_sys::NixlError) -> String {
 impl NixlAgent {
     /// Posts ONE NIXL READ of `remote_block_ids[i]` of `peer` into `local_block_ids[i]`, over
     /// every layer's K and V. `notif`, if any, reaches the peer once the data has landed (poll
-    /// the handle to completion). With no blocks, the notification is sent at once.
+    /// the handle to completion). With no blocks, the notification is sent at once. With a peer
+    /// of smaller blocks, ids are in its units ([`NixlAgent::transfer_ratio`]).
     pub fn read_blocks(
         &self,
         peer: &str,
@@ -258,8 +259,14 @@ impl NixlAgent {
             TransferOp::Read => Side::Local,
             TransferOp::Write => Side::Remote,
         };
+        let ratio = self.transfer_ratio(&peer.name)?;
+        let split = match ratio {
+            1 => None,
+            k => Some(self.local.split_list(k)?),
+        };
+        let local_table = split.as_ref().map_or(&self.local.table, |s| &s.table);
         let plan: TransferPlan =
-            plan_transfer(&self.local.table, &peer.table, local_ids, remote_ids, dest)?;
+            plan_transfer(local_table, &peer.table, local_ids, remote_ids, dest)?;
         let started = Instant::now();
         let failed = |reason: String| KvConnectorError::TransferFailed {
             op: op.name(),
@@ -299,7 +306,7 @@ impl NixlAgent {
             .agent
             .make_xfer_req(
                 xop,
-                self.local.dlist(),
+                split.as_ref().map_or(self.local.dlist(), |s| &s.dlist),
                 &plan.local_indices,
                 peer.dlist(),
                 &plan.remote_indices,

@@ -513,6 +513,18 @@ impl LoaderThread {
             self.fail(&job, "a READ without the params to claim its lease".into());
             return;
         };
+        if job.kind == LoadKind::Register {
+            let (ours, theirs) = (self.agent.block_size(), self.agent.peer_block_size(&name));
+            if let Some(theirs) = theirs.filter(|t| !t.is_multiple_of(ours)) {
+                let reason = format!(
+                    "the producer's block size {theirs} is not a multiple of this consumer's \
+                     {ours}: in push mode the producer's blocks must be a multiple of the \
+                     consumer's"
+                );
+                self.fail(&job, reason);
+                return;
+            }
+        }
         let (path, auth_header) = if job.kind == LoadKind::Register {
             let path = crate::push::REGISTER_PATH;
             (

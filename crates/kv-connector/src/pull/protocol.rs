@@ -124,7 +124,8 @@ pub struct LoadSpec {
     pub kind: LoadKind,
     pub peer: PeerAddr,
     pub remote_request_id: String,
-    /// Local destination blocks, in prompt order.
+    /// Local destination blocks, in prompt order; in the producer's units when its blocks
+    /// are smaller (block `b` of ours is sub-blocks `b * k .. (b + 1) * k`).
     pub local_block_ids: Vec<BlockId>,
     /// The producer's source blocks, pairwise with `local_block_ids`.
     pub remote_block_ids: Vec<BlockId>,

@@ -7,7 +7,8 @@
 //! - Consumer requests (`do_remote_prefill`): every prompt token past the local prefix hit is
 //!   external and loads asynchronously. After allocation the local blocks
 //!   `table[local/bs .. cdiv(prompt, bs)]` are paired with the same positions of
-//!   `remote_block_ids` and handed to the workers as one READ.
+//!   `remote_block_ids` and handed to the workers as one READ. A producer whose blocks are `k`
+//!   times smaller (`remote_block_size`) pairs each of its blocks with a `k`-th of one of ours.
 //! - Roles are lenient like vLLM's: a `do_remote_decode` request on a consumer-only instance, or
 //!   a `do_remote_prefill` one on a producer-only instance, is served locally (a warning is
 //!   logged; malformed params are rejected whatever the role).
@@ -262,14 +263,18 @@ impl KvConnectorScheduler for NixlPullScheduler {
             return;
         }
         let bs = self.config.block_size;
+        // The producer's blocks may be smaller: `ratio` of them fill one of ours (checked when
+        // the params were parsed), and the READ is planned in its units.
+        let remote_bs = remote.remote_block_size.unwrap_or(bs);
+        let ratio = bs / remote_bs;
         let prompt_len = request.prompt_token_ids.len();
         let local_computed = prompt_len.saturating_sub(num_external_tokens);
-        let first = local_computed / bs;
-        let end = prompt_len.div_ceil(bs);
+        let first = local_computed / remote_bs;
+        let end = prompt_len.div_ceil(remote_bs);
         self.loading.insert(id);
         let mut spec = Self::spec(id, &remote, LoadKind::Read);
         if !local_computed.is_multiple_of(bs)
-            || block_ids.len() < end
+            || block_ids.len() < prompt_len.div_ceil(bs)
             || remote.remote_block_ids.len() != end
         {
             let reason = format!(
@@ -281,7 +286,9 @@ impl KvConnectorScheduler for NixlPullScheduler {
             tracing::error!(request = %request.external_id, "{reason}");
             spec.kind = LoadKind::Reject(reason);
         } else {
-            spec.local_block_ids = block_ids[first..end].to_vec();
+            spec.local_block_ids = (first..end)
+                .map(|q| block_ids[q / ratio] * ratio as BlockId + (q % ratio) as BlockId)
+                .collect();
             spec.remote_block_ids = remote.remote_block_ids[first..end].to_vec();
             let params = request.kv_transfer_params.cloned().unwrap_or_default();
             spec.claim_body = Some(serde_json::json!({ PARAMS_FIELD: params }).to_string());
@@ -362,6 +369,7 @@ impl KvConnectorScheduler for NixlPullScheduler {
                     remote_host: self.config.side_channel_host.clone(),
                     remote_port: self.config.http_port,
                     tp_size: SUPPORTED_TP_SIZE,
+                    remote_block_size: Some(bs),
                 };
                 let deadline = Instant::now() + self.config.kv_lease_duration;
                 self.lease_table.issue(

@@ -333,16 +333,32 @@ impl NixlPushWorker {
     ) {
         let id = spec.request_id;
         let tid = spec.transfer_id.clone();
-        let bs = spec.block_ids.len();
+        // The consumer's blocks may be smaller: `ratio` of them fill one of ours, and the WRITE
+        // is planned in its units.
+        let ours = self
+            .agent
+            .as_ref()
+            .map_or(reg.block_size, |a| a.block_size());
+        let ratio = ours / reg.block_size.max(1);
         let refusal = if reg.num_tokens != spec.num_tokens {
             Some(format!(
                 "the consumer's prompt has {} tokens, the producer's {}: not the same request",
                 reg.num_tokens, spec.num_tokens
             ))
-        } else if reg.first_block + reg.block_ids.len() > bs && !reg.block_ids.is_empty() {
+        } else if ratio == 0 || !ours.is_multiple_of(reg.block_size) {
             Some(format!(
-                "the consumer registered blocks up to position {}, the producer has {bs}",
-                reg.first_block + reg.block_ids.len()
+                "the consumer's block size {} does not divide the producer's {ours}: in push mode \
+                 the producer's blocks must be a multiple of the consumer's",
+                reg.block_size
+            ))
+        } else if (reg.first_block + reg.block_ids.len()).div_ceil(ratio) > spec.block_ids.len()
+            && !reg.block_ids.is_empty()
+        {
+            Some(format!(
+                "the consumer registered blocks up to position {}, the producer has {} of {ratio}x \
+                 their size",
+                reg.first_block + reg.block_ids.len(),
+                spec.block_ids.len()
             ))
         } else {
             None
@@ -383,9 +399,8 @@ impl NixlPushWorker {
             },
             reg.consumer.peer(),
         );
-        job.local = spec.block_ids[first..first + reg.block_ids.len()]
-            .iter()
-            .map(|&b| b as usize)
+        job.local = (first..first + reg.block_ids.len())
+            .map(|p| spec.block_ids[p / ratio] as usize * ratio + p % ratio)
             .collect();
         job.remote = reg.block_ids.iter().map(|&b| b as usize).collect();
         if self.submit(job) {

@@ -590,7 +590,7 @@ impl NixlAgent {
     pub fn transfer_ratio(&self, peer: &str) -> Result<usize, KvConnectorError> {
         let p = self.peer(peer)?;
         let ours = self.block_size();
-        if ours % p.block_size != 0 {
+        if !ours.is_multiple_of(p.block_size) {
             return Err(KvConnectorError::IncompatiblePeer {
                 engine_id: p.engine_id.clone(),
                 mismatch: HandshakeMismatch::BlockSizeDirection {

@@ -129,15 +129,28 @@ async fn push_returns_the_single_instance_answer_verified_streaming_and_concurre
     common::wait_all_free(&[&d.prefill, &d.decode]).await;
 }
 
+/// A consumer config with fail-closed checksums or not.
+fn consumer_cfg_open(policy: &str, engine_fault: Option<&str>) -> String {
+    consumer_cfg(policy, 30.0, engine_fault).replace(
+        r#""kv_checksum_fail_closed":true"#,
+        r#""kv_checksum_fail_closed":false"#,
+    )
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn push_faults_are_caught_and_handled_by_policy() {
     let single = Server::serve(&[]);
     let prompt = PROMPTS[3];
     let want = greedy_ids(&single.base, prompt, 8).await;
     drop(single);
-    // (producer transport fault, consumer engine fault, verdict)
+    // (producer transport fault, consumer engine fault, verdict): every fault of the pull tests,
+    // plus the push producer's own.
     let cases = [
         (None, Some("corrupt_byte"), "mismatch"),
+        (None, Some("swap_blocks"), "mismatch"),
+        (None, Some("stale_blocks"), "mismatch"),
+        (None, Some("malform_checksums"), "unverified"),
+        (None, Some("drop_checksums"), "unverified"),
         (Some("wrong_block"), None, "mismatch"),
         (Some("drop_checksums"), None, "unverified"),
     ];
@@ -170,6 +183,22 @@ async fn push_faults_are_caught_and_handled_by_policy() {
         assert!(st >= 500, "{what}: {st} {v}");
         let msg = v["error"]["message"].as_str().unwrap_or_default();
         assert!(msg.contains("checksum"), "{what}: {msg}");
+        common::wait_all_free(&[&d.prefill, &d.decode]).await;
+        drop(d);
+        // fail-open: counted, and the request still completes.
+        let d = deploy(&producer_cfg(transport), &consumer_cfg_open("fail", engine));
+        let (st, v) = post(
+            &d.proxy.base,
+            "/v1/completions",
+            &json!({"prompt": prompt, "max_tokens": 8, "temperature": 0}),
+        )
+        .await;
+        assert_eq!(st, 200, "{what} fail-open: {v}");
+        let count = d
+            .decode
+            .metric("tandem:kv_checksum_loads_total", &[("verdict", verdict)])
+            .await;
+        assert_eq!(count, Some(1.0), "{what} fail-open");
         common::wait_all_free(&[&d.prefill, &d.decode]).await;
     }
 }
@@ -224,13 +253,23 @@ async fn dead_or_silent_producers_and_a_dead_consumer_follow_the_policy_without_
         let decode = Server::serve(&["--kv-transfer-config", &consumer_cfg(policy, 2.0, None)]);
         // A producer that is gone: the registration cannot be delivered; the load fails at once.
         // A producer that never gets the request: the load ends by its timeout.
-        for (port, tid) in [(dead_port, "gone-1"), (producer.port, "silent-1")] {
-            let (st, v) = post(
-                &decode.base,
-                "/v1/completions",
-                &push_body(prompt, &format!("{tid}-{policy}"), port),
-            )
-            .await;
+        // A producer killed after the registration, before its WRITE: the same.
+        for (port, tid) in [
+            (dead_port, "gone"),
+            (producer.port, "silent"),
+            (0, "killed"),
+        ] {
+            let doomed =
+                (port == 0).then(|| Server::serve(&["--kv-transfer-config", &producer_cfg(None)]));
+            let port = doomed.as_ref().map_or(port, |p| p.port);
+            let body = push_body(prompt, &format!("{tid}-{policy}"), port);
+            let base = decode.base.clone();
+            let call = tokio::spawn(async move { post(&base, "/v1/completions", &body).await });
+            if let Some(p) = doomed {
+                tokio::time::sleep(Duration::from_millis(700)).await; // registered by now
+                drop(p);
+            }
+            let (st, v) = call.await.unwrap();
             match policy {
                 "fail" => {
                     assert!(st >= 500, "{tid}: {st} {v}");
@@ -326,4 +365,40 @@ async fn modes_do_not_mix() {
     let msg = v["error"]["message"].as_str().unwrap_or_default();
     assert!(msg.contains("runs pull mode"), "{msg}");
     common::wait_all_free(&[&push_consumer, &pull_producer, &push_producer]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registration_after_the_producer_freed_is_refused_with_the_reason() {
+    common::require_model();
+    let lease = r#"{"kv_connector":"NixlPushConnector","kv_role":"kv_producer","enable_kv_checksum":true,"kv_connector_extra_config":{"kv_lease_duration":1}}"#;
+    let producer = Server::serve(&["--kv-transfer-config", lease]);
+    let decode = Server::serve(&["--kv-transfer-config", &consumer_cfg("fail", 30.0, None)]);
+    let prompt = PROMPTS[2];
+    // The producer finishes first; nobody registers within its 1 s hold, so it frees.
+    let (st, v) = post(
+        &producer.base,
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 1, "temperature": 0,
+            "kv_transfer_params": {"do_remote_decode": true, "transfer_id": "late-1"}}),
+    )
+    .await;
+    assert_eq!(st, 200, "{v}");
+    common::wait_all_free(&[&producer]).await;
+    assert_eq!(
+        producer.metric("tandem:kv_lease_expired_total", &[]).await,
+        Some(1.0)
+    );
+    // The late consumer is told at once why, instead of waiting for its load timeout.
+    let t = std::time::Instant::now();
+    let (st, v) = post(
+        &decode.base,
+        "/v1/completions",
+        &push_body(prompt, "late-1", producer.port),
+    )
+    .await;
+    assert!(st >= 500, "{v}");
+    let msg = v["error"]["message"].as_str().unwrap_or_default();
+    assert!(msg.contains("has ended on this producer"), "{msg}");
+    assert!(t.elapsed() < Duration::from_secs(10), "failed fast");
+    common::wait_all_free(&[&decode]).await;
 }

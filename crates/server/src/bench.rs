@@ -32,7 +32,8 @@ pub struct BenchArgs {
     /// Output tokens per request.
     #[arg(long, default_value_t = 64)]
     pub max_tokens: usize,
-    /// A decode instance whose KV transfer metrics to report (P/D runs).
+    /// The instance whose KV transfer metrics to report (P/D runs): the one that moves the
+    /// bytes, the decode instance in pull mode, the prefill instance in push mode.
     #[arg(long)]
     pub kv_metrics_url: Option<String>,
     /// Print one JSON object per level instead of a table.

@@ -515,6 +515,43 @@ mod tests {
     }
 
     #[test]
+    fn a_producer_with_smaller_blocks_is_read_into_sub_blocks_of_ours() {
+        // Ours: 4-token blocks; the producer's: 2-token blocks (remote_block_size), 2 per ours.
+        let mut s = sched(KvRole::Consumer);
+        let prompt = [1u32; 11];
+        let p = json!({"do_remote_prefill": true, "remote_engine_id": "p0",
+            "remote_request_id": "r", "remote_block_ids": [50, 51, 52, 53, 54, 55],
+            "remote_host": "h", "remote_port": 1, "tp_size": 1, "remote_block_size": 2});
+        let r = req(8, &prompt, Some(&p));
+        let m = s.get_num_new_matched_tokens(&r, 4).unwrap();
+        assert_eq!(m.num_external_tokens, 7);
+        s.update_state_after_alloc(&r, &[30, 31, 32], 7);
+        let l = &meta(&mut s).loads[0];
+        assert_eq!(l.kind, LoadKind::Read);
+        // Producer positions 2..6 into our blocks 31 (sub 62, 63) and 32 (sub 64, 65).
+        assert_eq!(l.remote_block_ids, vec![52, 53, 54, 55]);
+        assert_eq!(l.local_block_ids, vec![62, 63, 64, 65]);
+        // Blocks larger than ours, or not dividing ours, are refused naming both sizes.
+        for bs in [8, 3] {
+            let mut bad = p.clone();
+            bad["remote_block_size"] = json!(bs);
+            let e = s
+                .get_num_new_matched_tokens(&req(9, &prompt, Some(&bad)), 0)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains(&format!("block size {bs}")) && e.contains('4'),
+                "{e}"
+            );
+        }
+        // The producer answers its own block size.
+        let mut prod = sched(KvRole::Producer);
+        let pp = json!({"do_remote_decode": true});
+        let a = prod.request_finished(&req(3, &prompt, Some(&pp)), &[7, 8, 9], FinishKind::Normal);
+        assert_eq!(a.kv_transfer_params.unwrap()["remote_block_size"], json!(4));
+    }
+
+    #[test]
     fn a_consumer_request_ending_mid_load_holds_its_blocks_until_the_workers_release_them() {
         let mut s = sched(KvRole::Both);
         let prompt = [1u32; 4];

@@ -9,7 +9,6 @@ source "$(dirname "$0")/common.sh"
 build_release
 args=("$@")
 [ ${#args[@]} -gt 0 ] || args=(--concurrency 1 --requests 24 --max-tokens 4)
-metric() { curl -s "$1/metrics" | awk -v n="$2" '$1 == n { print $2 }'; }
 for mode in off on; do
     extra=''
     [ "$mode" = on ] && extra=',"enable_kv_checksum":true,"kv_checksum_fail_closed":true'

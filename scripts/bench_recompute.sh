@@ -47,7 +47,6 @@ for r in $(seq 0 "$reps"); do
         [ "$r" -gt 0 ] && echo "${c%%:*} $t" >>"$out" # round 0 warms up
     done
 done
-metric() { curl -s "$1/metrics" | awk -v n="$2" '$1 == n { print $2 }'; }
 echo "== $tokens-token prompt, corruption in block $last (the last), $reps rounds"
 for c in clean:9311 partial:9312 whole:9313; do
     r=$(metric "http://127.0.0.1:${c#*:}" 'tandem:kv_load_recomputed_tokens_total')

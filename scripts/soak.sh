@@ -10,7 +10,6 @@ build_release
 n=${1:-10000}
 c=${2:-8}
 export TANDEM_KV_TRANSFER_SECRET=soak-deployment-secret-0123456789
-metric() { curl -s "$1/metrics" | awk -v n="$2" '$1 == n { print $2 }'; }
 on='"enable_kv_checksum":true'
 "$bin" serve --host 127.0.0.1 --port 9210 \
     --kv-transfer-config "{\"kv_connector\":\"NixlConnector\",\"kv_role\":\"kv_producer\",$on}" >/tmp/tandem-soak-p.log 2>&1 & pids+=($!)

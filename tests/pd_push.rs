@@ -120,6 +120,26 @@ async fn push_returns_the_single_instance_answer_verified_streaming_and_concurre
         .await
         .unwrap();
     assert!(written > 0.0, "the producer WRITEs");
+    // vLLM's NIXL shapes: one observation per WRITE, the same bytes.
+    assert_eq!(
+        d.prefill
+            .metric("tandem:nixl_xfer_time_seconds_count", &[])
+            .await,
+        Some(loads)
+    );
+    assert_eq!(
+        d.prefill
+            .metric("tandem:nixl_bytes_transferred_sum", &[])
+            .await,
+        Some(written)
+    );
+    assert!(
+        d.prefill
+            .metric("tandem:nixl_num_descriptors_sum", &[])
+            .await
+            .unwrap()
+            >= loads
+    );
     for s in [&d.prefill, &d.decode] {
         assert_eq!(
             s.metric("tandem:kv_transfer_failures_total", &[]).await,

@@ -774,3 +774,88 @@ async fn logs_are_plain_off_a_terminal_and_json_on_request() {
     }
     assert!(lines.iter().any(|l| l.contains("\"INFO\"")), "{lines:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_are_labelled_by_model_and_counters_start_at_zero() {
+    let s = Server::serve(&["--served-model-name", "my-model"]);
+    let text = client()
+        .get(s.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    // Before any request: every counter with known labels is there, at 0, labelled.
+    for (name, labels) in [
+        ("tandem:prompt_tokens_total", vec![]),
+        ("tandem:kv_transfer_failures_total", vec![]),
+        ("tandem:nixl_num_failed_transfers", vec![]),
+        (
+            "tandem:request_success_total",
+            vec![("finished_reason", "abort")],
+        ),
+        (
+            "tandem:kv_load_failures_total",
+            vec![("policy", "recompute")],
+        ),
+        (
+            "tandem:kv_transfer_refused_total",
+            vec![("reason", "lease")],
+        ),
+        (
+            "tandem:kv_checksum_loads_total",
+            vec![("verdict", "mismatch")],
+        ),
+        (
+            "tandem:kv_checksum_unverified_total",
+            vec![("reason", "unaligned_first_block")],
+        ),
+    ] {
+        let mut l = labels.clone();
+        l.push(("model_name", "my-model"));
+        assert_eq!(
+            common::parse_metric(&text, name, &l),
+            Some(0.0),
+            "{name} {labels:?}"
+        );
+    }
+    let info = text
+        .lines()
+        .find(|l| l.starts_with("tandem:cache_config_info{"))
+        .expect("cache_config_info");
+    assert!(
+        info.contains(r#"block_size="16""#) && info.ends_with(" 1"),
+        "{info}"
+    );
+    // One request: vLLM's per-request histograms observe it once.
+    let (st, v) = post(
+        &s,
+        "/v1/completions",
+        json!({"prompt": "Hello there", "max_tokens": 5, "temperature": 0, "ignore_eos": true}),
+    )
+    .await;
+    assert_eq!(st, 200, "{v}");
+    let m = |name: &'static str| {
+        let s = &s;
+        async move { s.metric(name, &[("model_name", "my-model")]).await }
+    };
+    for name in [
+        "tandem:request_queue_time_seconds_count",
+        "tandem:request_prefill_time_seconds_count",
+        "tandem:request_decode_time_seconds_count",
+        "tandem:request_inference_time_seconds_count",
+        "tandem:request_prompt_tokens_count",
+        "tandem:request_generation_tokens_count",
+    ] {
+        assert_eq!(m(name).await, Some(1.0), "{name}");
+    }
+    assert_eq!(m("tandem:request_generation_tokens_sum").await, Some(5.0));
+    let prompt = v["usage"]["prompt_tokens"].as_f64().unwrap();
+    assert_eq!(m("tandem:request_prompt_tokens_sum").await, Some(prompt));
+    // Tokens per step add up to every token computed: the prompt and all but the last output.
+    assert_eq!(
+        m("tandem:iteration_tokens_total_sum").await,
+        Some(prompt + 4.0)
+    );
+}

@@ -143,6 +143,11 @@ impl ProxyError {
             Self::UpstreamConnect { .. } => "upstream_unreachable",
             Self::UpstreamTimeout { .. } => "upstream_timeout",
             Self::UpstreamTransport { .. } => "upstream_transport_error",
+            // The instance refused the client's request (a 4xx): the client's error, not a
+            // failure of the upstream.
+            Self::UpstreamErrorResponse { status, .. } if status.is_client_error() => {
+                "client_error"
+            }
             Self::UpstreamErrorResponse { .. } => "upstream_error",
             Self::UpstreamStatus { .. } => "upstream_bad_status",
             Self::MissingKvTransferParams { .. } => "missing_kv_transfer_params",
@@ -320,6 +325,22 @@ mod tests {
             .as_str()
             .unwrap()
             .contains("failed mid-stream"));
+    }
+
+    #[test]
+    fn an_upstream_4xx_is_the_clients_error_and_a_5xx_the_upstreams() {
+        let answer = |status| ProxyError::UpstreamErrorResponse {
+            role: Role::Decode,
+            url: "http://d".into(),
+            status,
+            body: Bytes::from_static(br#"{"error":{"message":"x","type":"y"}}"#),
+        };
+        assert_eq!(answer(StatusCode::BAD_REQUEST).code(), "client_error");
+        assert_eq!(answer(StatusCode::NOT_FOUND).code(), "client_error");
+        assert_eq!(
+            answer(StatusCode::INTERNAL_SERVER_ERROR).code(),
+            "upstream_error"
+        );
     }
 
     #[test]

@@ -21,6 +21,22 @@ pub const INTER_TOKEN_LATENCY_SECONDS: &str = "tandem:inter_token_latency_second
 pub const E2E_REQUEST_LATENCY_SECONDS: &str = "tandem:e2e_request_latency_seconds";
 pub const ENGINE_STEP_SECONDS: &str = "tandem:engine_step_seconds";
 
+// Per request, as vLLM names them (histograms observed once per finished request).
+/// Arrival to first scheduled.
+pub const REQUEST_QUEUE_TIME_SECONDS: &str = "tandem:request_queue_time_seconds";
+/// First scheduled to first token.
+pub const REQUEST_PREFILL_TIME_SECONDS: &str = "tandem:request_prefill_time_seconds";
+/// First token to finish.
+pub const REQUEST_DECODE_TIME_SECONDS: &str = "tandem:request_decode_time_seconds";
+/// First scheduled to finish.
+pub const REQUEST_INFERENCE_TIME_SECONDS: &str = "tandem:request_inference_time_seconds";
+pub const REQUEST_PROMPT_TOKENS: &str = "tandem:request_prompt_tokens";
+pub const REQUEST_GENERATION_TOKENS: &str = "tandem:request_generation_tokens";
+/// Tokens scheduled per engine step (histogram).
+pub const ITERATION_TOKENS_TOTAL: &str = "tandem:iteration_tokens_total";
+/// Gauge 1 with the KV cache's configuration as labels.
+pub const CACHE_CONFIG_INFO: &str = "tandem:cache_config_info";
+
 // KV transfer.
 pub const KV_TRANSFER_BYTES_TOTAL: &str = "tandem:kv_transfer_bytes_total";
 pub const KV_TRANSFER_DESCRIPTORS_TOTAL: &str = "tandem:kv_transfer_descriptors_total";
@@ -37,8 +53,25 @@ pub const KV_LOAD_FAILURES_TOTAL: &str = "tandem:kv_load_failures_total";
 pub const KV_LOAD_RECOMPUTED_TOKENS_TOTAL: &str = "tandem:kv_load_recomputed_tokens_total";
 pub const KV_LOAD_RECOMPUTE_PROMPT_TOKENS_TOTAL: &str =
     "tandem:kv_load_recompute_prompt_tokens_total";
-/// Label `reason`: `signature`, `expired`, `producer_not_allowed`, `lease`, `peer_auth`.
+/// Label `reason`: see [`REFUSAL_REASONS`].
 pub const KV_TRANSFER_REFUSED_TOTAL: &str = "tandem:kv_transfer_refused_total";
+/// The values of `reason` on [`KV_TRANSFER_REFUSED_TOTAL`].
+pub const REFUSAL_REASONS: [&str; 5] = [
+    "unauthorized",
+    "expired",
+    "producer_not_allowed",
+    "lease",
+    "malformed",
+];
+
+// NIXL transfers in vLLM's shapes (one observation per READ or WRITE).
+pub const NIXL_XFER_TIME_SECONDS: &str = "tandem:nixl_xfer_time_seconds";
+pub const NIXL_POST_TIME_SECONDS: &str = "tandem:nixl_post_time_seconds";
+pub const NIXL_BYTES_TRANSFERRED: &str = "tandem:nixl_bytes_transferred";
+pub const NIXL_NUM_DESCRIPTORS: &str = "tandem:nixl_num_descriptors";
+pub const NIXL_NUM_FAILED_TRANSFERS: &str = "tandem:nixl_num_failed_transfers";
+pub const NIXL_NUM_FAILED_NOTIFICATIONS: &str = "tandem:nixl_num_failed_notifications";
+pub const NIXL_NUM_KV_EXPIRED_REQS: &str = "tandem:nixl_num_kv_expired_reqs";
 
 // KV checksums.
 pub const KV_CHECKSUM_LOADS_TOTAL: &str = "tandem:kv_checksum_loads_total";
@@ -158,4 +191,100 @@ pub fn describe() {
         Unit::Seconds,
         "Worker time spent computing KV checksums per step."
     );
+    describe_histogram!(
+        REQUEST_QUEUE_TIME_SECONDS,
+        Unit::Seconds,
+        "Per request: arrival to first scheduled."
+    );
+    describe_histogram!(
+        REQUEST_PREFILL_TIME_SECONDS,
+        Unit::Seconds,
+        "Per request: first scheduled to first token."
+    );
+    describe_histogram!(
+        REQUEST_DECODE_TIME_SECONDS,
+        Unit::Seconds,
+        "Per request: first token to finish."
+    );
+    describe_histogram!(
+        REQUEST_INFERENCE_TIME_SECONDS,
+        Unit::Seconds,
+        "Per request: first scheduled to finish."
+    );
+    describe_histogram!(REQUEST_PROMPT_TOKENS, "Per request: prompt tokens.");
+    describe_histogram!(REQUEST_GENERATION_TOKENS, "Per request: generated tokens.");
+    describe_histogram!(ITERATION_TOKENS_TOTAL, "Tokens scheduled per engine step.");
+    describe_gauge!(
+        CACHE_CONFIG_INFO,
+        "The KV cache's configuration, as labels (value 1)."
+    );
+    describe_histogram!(
+        NIXL_XFER_TIME_SECONDS,
+        Unit::Seconds,
+        "One NIXL READ or WRITE, post to completion."
+    );
+    describe_histogram!(
+        NIXL_POST_TIME_SECONDS,
+        Unit::Seconds,
+        "Creating and posting one NIXL transfer."
+    );
+    describe_histogram!(
+        NIXL_BYTES_TRANSFERRED,
+        Unit::Bytes,
+        "Bytes of one NIXL transfer."
+    );
+    describe_histogram!(
+        NIXL_NUM_DESCRIPTORS,
+        "Descriptors of one NIXL transfer (after merging consecutive blocks)."
+    );
+    describe_counter!(NIXL_NUM_FAILED_TRANSFERS, "NIXL transfers that failed.");
+    describe_counter!(
+        NIXL_NUM_FAILED_NOTIFICATIONS,
+        "NIXL notifications that did not decode."
+    );
+    describe_counter!(
+        NIXL_NUM_KV_EXPIRED_REQS,
+        "Requests whose held KV expired before a consumer took it."
+    );
+}
+
+/// Registers every counter at 0, with each of its known label values, so that `rate()` and
+/// alerts see a zero instead of an absent series from startup.
+pub fn register_zeros() {
+    for name in [
+        PROMPT_TOKENS_TOTAL,
+        GENERATION_TOKENS_TOTAL,
+        NUM_PREEMPTIONS_TOTAL,
+        PREFIX_CACHE_QUERIES_TOTAL,
+        PREFIX_CACHE_HITS_TOTAL,
+        KV_TRANSFER_BYTES_TOTAL,
+        KV_TRANSFER_DESCRIPTORS_TOTAL,
+        KV_TRANSFER_FAILURES_TOTAL,
+        KV_LEASE_EXPIRED_TOTAL,
+        KV_TRANSFER_FAILED_NOTIFICATIONS_TOTAL,
+        KV_LOAD_RECOMPUTED_TOKENS_TOTAL,
+        KV_LOAD_RECOMPUTE_PROMPT_TOKENS_TOTAL,
+        KV_CHECKSUM_MISMATCHED_BLOCKS_TOTAL,
+        KV_CHECKSUM_SENDS_TOTAL,
+        NIXL_NUM_FAILED_TRANSFERS,
+        NIXL_NUM_FAILED_NOTIFICATIONS,
+        NIXL_NUM_KV_EXPIRED_REQS,
+    ] {
+        metrics::counter!(name).increment(0);
+    }
+    for reason in ["stop", "length", "abort", "error"] {
+        metrics::counter!(REQUEST_SUCCESS_TOTAL, "finished_reason" => reason).increment(0);
+    }
+    for policy in ["fail", "recompute"] {
+        metrics::counter!(KV_LOAD_FAILURES_TOTAL, "policy" => policy).increment(0);
+    }
+    for reason in REFUSAL_REASONS {
+        metrics::counter!(KV_TRANSFER_REFUSED_TOTAL, "reason" => reason).increment(0);
+    }
+    for verdict in ["verified", "mismatch", "unverified"] {
+        metrics::counter!(KV_CHECKSUM_LOADS_TOTAL, "verdict" => verdict).increment(0);
+    }
+    for reason in tandem_kv_checksum::UnverifiedReason::ALL {
+        metrics::counter!(KV_CHECKSUM_UNVERIFIED_TOTAL, "reason" => reason.as_str()).increment(0);
+    }
 }

@@ -76,6 +76,8 @@ pub struct Request {
     pub kv_transfer_params: Option<Value>,
     pub num_preemptions: u32,
     pub arrival: Instant,
+    /// When it was first given blocks (to run, or to wait for remote KV): the end of its queueing.
+    pub first_scheduled_at: Option<Instant>,
     pub first_token_at: Option<Instant>,
     pub last_token_at: Option<Instant>,
     pub detokenizer: IncrementalDetokenizer,
@@ -113,6 +115,7 @@ impl Request {
             kv_transfer_params: new.kv_transfer_params,
             num_preemptions: 0,
             arrival: Instant::now(),
+            first_scheduled_at: None,
             first_token_at: None,
             last_token_at: None,
             detokenizer,

@@ -458,6 +458,7 @@ impl Scheduler {
                 req.num_cached_tokens = Some(prefix.num_tokens);
                 req.num_external_tokens = matched.num_external_tokens;
                 req.status = RequestStatus::WaitingForRemoteKv;
+                req.first_scheduled_at.get_or_insert_with(Instant::now);
                 let table = self.kv.block_table(id).to_vec();
                 let view = Self::connector_view(req);
                 self.connector
@@ -511,6 +512,7 @@ impl Scheduler {
                 metrics::counter!(m::KV_LOAD_RECOMPUTE_PROMPT_TOKENS_TOTAL).increment(prompt);
             }
             req.status = RequestStatus::Running;
+            req.first_scheduled_at.get_or_insert_with(Instant::now);
             let table = self.kv.block_table(id).to_vec();
             self.connector
                 .update_state_after_alloc(&Self::connector_view(req), &table, 0);
@@ -520,6 +522,10 @@ impl Scheduler {
             budget -= num_new;
         }
 
+        let step_tokens: usize = scheduled.iter().map(|(_, n)| n).sum();
+        if step_tokens > 0 {
+            metrics::histogram!(m::ITERATION_TOKENS_TOTAL).record(step_tokens as f64);
+        }
         self.add_checksum_sends(&scheduled);
         let scheduled = scheduled
             .into_iter()
@@ -711,8 +717,15 @@ impl Scheduler {
                 t.receive_checksums(*id, payload);
             }
         }
-        for s in &stats.seconds {
-            metrics::histogram!(m::KV_TRANSFER_SECONDS).record(*s);
+        metrics::counter!(m::NIXL_NUM_FAILED_TRANSFERS).increment(stats.failures);
+        metrics::counter!(m::NIXL_NUM_FAILED_NOTIFICATIONS).increment(stats.failed_notifications);
+        metrics::counter!(m::NIXL_NUM_KV_EXPIRED_REQS).increment(stats.expired_leases);
+        for t in &stats.transfers {
+            metrics::histogram!(m::KV_TRANSFER_SECONDS).record(t.seconds);
+            metrics::histogram!(m::NIXL_XFER_TIME_SECONDS).record(t.seconds);
+            metrics::histogram!(m::NIXL_POST_TIME_SECONDS).record(t.post_seconds);
+            metrics::histogram!(m::NIXL_BYTES_TRANSFERRED).record(t.bytes as f64);
+            metrics::histogram!(m::NIXL_NUM_DESCRIPTORS).record(t.descriptors as f64);
         }
         for id in &output.finished_sending {
             if self.delayed_free.remove(id) && !self.checksum_holds.contains(id) {
@@ -940,6 +953,7 @@ impl Scheduler {
             .increment(1);
         metrics::histogram!(m::E2E_REQUEST_LATENCY_SECONDS)
             .record(req.arrival.elapsed().as_secs_f64());
+        record_request_times(&req);
         event.finish = Some(reason);
         event.stop_reason = stop_reason;
         event.error = error;
@@ -1020,5 +1034,23 @@ impl Scheduler {
             }
         }
         self.kv.pool().check_invariants()
+    }
+}
+
+/// vLLM's per-request histograms, observed once when the request finishes: the phases that it
+/// reached (a request aborted while queued has no prefill or decode time).
+fn record_request_times(req: &Request) {
+    let now = Instant::now();
+    let secs = |a: Instant, b: Instant| b.saturating_duration_since(a).as_secs_f64();
+    metrics::histogram!(m::REQUEST_PROMPT_TOKENS).record(req.num_prompt_tokens as f64);
+    metrics::histogram!(m::REQUEST_GENERATION_TOKENS).record(req.num_output_tokens() as f64);
+    let Some(scheduled) = req.first_scheduled_at else {
+        return;
+    };
+    metrics::histogram!(m::REQUEST_QUEUE_TIME_SECONDS).record(secs(req.arrival, scheduled));
+    metrics::histogram!(m::REQUEST_INFERENCE_TIME_SECONDS).record(secs(scheduled, now));
+    if let Some(first) = req.first_token_at {
+        metrics::histogram!(m::REQUEST_PREFILL_TIME_SECONDS).record(secs(scheduled, first));
+        metrics::histogram!(m::REQUEST_DECODE_TIME_SECONDS).record(secs(first, now));
     }
 }

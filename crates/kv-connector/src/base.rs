@@ -79,11 +79,34 @@ impl std::fmt::Debug for ConnectorMetadata {
 pub struct TransferStats {
     pub bytes: u64,
     pub descriptors: u64,
-    pub seconds: Vec<f64>,
+    /// Each finished transfer (READ or WRITE) of the step.
+    pub transfers: Vec<TransferRecord>,
     pub failures: u64,
     pub expired_leases: u64,
     /// Notifications of the connector's protocol that did not decode (dropped).
     pub failed_notifications: u64,
+}
+
+/// One finished transfer, for metrics.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct TransferRecord {
+    /// Post to completion.
+    pub seconds: f64,
+    /// Creating and posting it.
+    pub post_seconds: f64,
+    pub bytes: u64,
+    pub descriptors: u64,
+}
+
+impl From<&crate::nixl::TransferStats> for TransferRecord {
+    fn from(s: &crate::nixl::TransferStats) -> Self {
+        TransferRecord {
+            seconds: s.seconds(),
+            post_seconds: s.post_duration.as_secs_f64(),
+            bytes: s.bytes,
+            descriptors: s.descriptors as u64,
+        }
+    }
 }
 
 /// What workers report to the scheduler side each step.
@@ -117,7 +140,7 @@ impl ConnectorOutput {
         }
         self.stats.bytes += other.stats.bytes;
         self.stats.descriptors += other.stats.descriptors;
-        self.stats.seconds.extend(other.stats.seconds);
+        self.stats.transfers.extend(other.stats.transfers);
         self.stats.failures += other.stats.failures;
         self.stats.expired_leases += other.stats.expired_leases;
         self.stats.failed_notifications += other.stats.failed_notifications;

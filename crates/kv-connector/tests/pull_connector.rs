@@ -362,7 +362,7 @@ fn round_trip(mut p: Node, mut c: Node) {
     assert!(started.elapsed() < Duration::from_secs(10));
     assert_eq!(p.seen.stats.expired_leases, 0);
     assert_eq!(c.seen.stats.bytes, 3 * BLOCK_MOVE_BYTES);
-    assert_eq!(c.seen.stats.seconds.len(), 1);
+    assert_eq!(c.seen.stats.transfers.len(), 1);
     assert_eq!(c.seen.stats.failures, 0);
     // 3 scattered blocks in 8 arrays.
     assert_eq!(c.seen.stats.descriptors, 3 * 8);

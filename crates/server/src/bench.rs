@@ -130,9 +130,13 @@ async fn scrape(client: &reqwest::Client, url: &str, name: &str) -> anyhow::Resu
         .await?
         .text()
         .await?;
+    // Every series of the name, whatever its labels (`model_name` at least).
     Ok(text
         .lines()
-        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with(' ') || rest.starts_with('{'))
+        })
         .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
         .sum())
 }

@@ -23,17 +23,44 @@ use tandem_models::{load_model, LoadOptions, TextTokenizer, WeightMode};
 use crate::config::{parse_bytes, ServeArgs};
 use crate::state::{ApiTokenizer, AppState};
 
-/// Installs the process-wide Prometheus recorder with latency buckets suited to LLM serving.
-pub fn install_prometheus() -> anyhow::Result<PrometheusHandle> {
+/// Installs the process-wide Prometheus recorder with latency buckets suited to LLM serving,
+/// every series labelled `model_name` (the first served name, as vLLM labels its metrics), and
+/// every counter with known labels registered at 0.
+pub fn install_prometheus(model_name: &str) -> anyhow::Result<PrometheusHandle> {
     let latency = [
         0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
         20.0, 40.0, 80.0,
     ];
+    let tokens = [
+        1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0,
+    ];
+    let bytes = [
+        4096.0,
+        65536.0,
+        1048576.0,
+        4194304.0,
+        16777216.0,
+        67108864.0,
+        268435456.0,
+        1073741824.0,
+    ];
     let handle = PrometheusBuilder::new()
+        .add_global_label("model_name", model_name)
         .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &latency)?
+        .set_buckets_for_metric(Matcher::Suffix("_tokens".into()), &tokens)?
+        .set_buckets_for_metric(Matcher::Suffix("_tokens_total".into()), &tokens)?
+        .set_buckets_for_metric(
+            Matcher::Full(tandem_engine::metrics::NIXL_NUM_DESCRIPTORS.into()),
+            &tokens,
+        )?
+        .set_buckets_for_metric(
+            Matcher::Full(tandem_engine::metrics::NIXL_BYTES_TRANSFERRED.into()),
+            &bytes,
+        )?
         .install_recorder()
         .context("installing the Prometheus recorder")?;
     tandem_engine::metrics::describe();
+    tandem_engine::metrics::register_zeros();
     tandem_http_edge::metrics::describe();
     Ok(handle)
 }
@@ -157,6 +184,12 @@ pub fn build_instance(
         }
     }
     let storage = Arc::new(KvStorage::new(&KvCacheConfig { num_blocks, groups })?);
+    metrics::gauge!(tandem_engine::metrics::CACHE_CONFIG_INFO,
+        "block_size" => args.block_size.to_string(),
+        "num_gpu_blocks" => num_blocks.to_string(),
+        "cache_dtype" => cache_dtype.to_string(),
+        "enable_prefix_caching" => args.enable_prefix_caching.to_string())
+    .set(1.0);
     tracing::info!(
         model = %loaded.name,
         weights = %weights,
@@ -350,7 +383,12 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let limits =
         tandem_http_edge::EdgeLimits::new(args.max_connections, args.header_read_timeout_secs)
             .context("--max-connections / --header-read-timeout-secs")?;
-    let prometheus = install_prometheus()?;
+    let model_name = args
+        .served_model_name
+        .first()
+        .cloned()
+        .unwrap_or_else(|| args.model.clone());
+    let prometheus = install_prometheus(&model_name)?;
     let instance = build_instance(&args, Some(prometheus))?;
     let addr = if host.contains(':') && !host.starts_with('[') {
         format!("[{host}]:{}", args.port)

@@ -52,6 +52,8 @@ pub struct TransferStats {
     pub descriptors: usize,
     /// From the request's creation to the first poll that saw it complete.
     pub duration: Duration,
+    /// Creating and posting the request (part of `duration`).
+    pub post_duration: Duration,
 }
 
 impl TransferStats {
@@ -84,6 +86,8 @@ pub struct TransferHandle {
     blocks: usize,
     descriptors: usize,
     started: Instant,
+    /// How long creating and posting the request took.
+    post: Duration,
     /// `Err` holds the failure's reason; the error is rebuilt for every poll.
     outcome: Mutex<Option<Result<TransferStats, String>>>,
 }
@@ -123,6 +127,7 @@ impl TransferHandle {
             blocks: self.blocks,
             descriptors: self.descriptors,
             duration: self.started.elapsed(),
+            post_duration: self.post,
         }
     }
 
@@ -282,6 +287,7 @@ impl NixlAgent {
             blocks: plan.blocks,
             descriptors: plan.descriptors,
             started,
+            post: Duration::ZERO,
             outcome: Mutex::new(None),
         };
         if plan.local_indices.is_empty() {
@@ -319,6 +325,7 @@ impl NixlAgent {
             .post_xfer_req(&req, None)
             .map_err(|e| failed(format!("post: {}", describe(&e))))?;
         handle.req = Some(req);
+        handle.post = started.elapsed();
         if !in_progress {
             *handle.outcome.get_mut().unwrap_or_else(|e| e.into_inner()) = Some(Ok(handle.stats()));
         }

@@ -231,7 +231,7 @@ impl NixlPullWorker {
                     out.finished_recving.insert(id);
                     out.stats.bytes += stats.bytes;
                     out.stats.descriptors += stats.descriptors as u64;
-                    out.stats.seconds.push(stats.seconds());
+                    out.stats.transfers.push((&stats).into());
                 }
                 LoadOutcome::Failed(reason) => {
                     self.jobs.remove(&id);

@@ -471,7 +471,7 @@ impl NixlPushWorker {
                     out.finished_sending.insert(id);
                     out.stats.bytes += stats.bytes;
                     out.stats.descriptors += stats.descriptors as u64;
-                    out.stats.seconds.push(stats.seconds());
+                    out.stats.transfers.push((&stats).into());
                 }
                 LoadOutcome::Failed(reason) => {
                     if let Some(tid) = self.writing.remove(&id) {

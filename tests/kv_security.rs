@@ -226,8 +226,8 @@ async fn with_a_secret_only_signed_params_and_peers_move_kv() {
     assert_eq!(st, 200, "{v}");
     assert_eq!(text(&v), text(&alone));
     assert_eq!(
-        decode.metric("tandem:kv_load_failures_total", &[]).await,
-        None,
+        decode.metric_total("tandem:kv_load_failures_total").await,
+        0.0,
         "loaded, not recomputed"
     );
 

@@ -366,7 +366,6 @@ async fn fields_that_would_change_the_output_are_refused_by_name() {
             ),
             ("tool_choice", json!("required")),
             ("typical_p", json!(0.5)),
-            ("best_of", json!(2)),
             ("prompt_logprobs", json!(1)),
             ("guided_json", json!({"type": "object"})),
             ("guided_regex", json!("[a-z]+")),
@@ -858,4 +857,185 @@ async fn metrics_are_labelled_by_model_and_counters_start_at_zero() {
         m("tandem:iteration_tokens_total_sum").await,
         Some(prompt + 4.0)
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_list_of_prompts_answers_each_prompt_n_times_in_vllm_order() {
+    let s = Server::serve(&[]);
+    let prompts = &PROMPTS[..3];
+    let mut want = Vec::new();
+    for p in prompts {
+        want.push(complete_ids(&s, p, 6).await);
+    }
+    let (st, v) = post(
+        &s,
+        "/v1/completions",
+        json!({"prompt": prompts, "n": 2, "max_tokens": 6, "temperature": 0,
+            "return_token_ids": true, "echo": true}),
+    )
+    .await;
+    assert_eq!(st, 200, "{v}");
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 6);
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], json!(i));
+        let ids: Vec<u64> = c["token_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap())
+            .collect();
+        assert_eq!(ids, want[i / 2], "choice {i} answers prompt {}", i / 2);
+        let text = c["text"].as_str().unwrap();
+        assert!(
+            text.starts_with(prompts[i / 2]),
+            "echo of its own prompt: {text}"
+        );
+        assert!(c["prompt_token_ids"]
+            .as_array()
+            .is_some_and(|p| !p.is_empty()));
+    }
+    let prompt_tokens: u64 = choices
+        .iter()
+        .step_by(2)
+        .map(|c| c["prompt_token_ids"].as_array().unwrap().len() as u64)
+        .sum();
+    assert_eq!(v["usage"]["prompt_tokens"], json!(prompt_tokens));
+    let completion: usize = want.iter().map(|w| 2 * w.len()).sum();
+    assert_eq!(v["usage"]["completion_tokens"], json!(completion));
+
+    // Streamed: the same tokens, per index.
+    let r = client()
+        .post(s.url("/v1/completions"))
+        .json(
+            &json!({"prompt": prompts, "max_tokens": 6, "temperature": 0,
+            "stream": true, "return_token_ids": true,
+            "stream_options": {"include_usage": true}}),
+        )
+        .send()
+        .await
+        .unwrap();
+    let mut got = vec![Vec::new(); 3];
+    let mut usage = Value::Null;
+    for ev in common::sse_events(r).await {
+        let Ok(c) = serde_json::from_str::<Value>(&ev) else {
+            continue;
+        };
+        if !c["usage"].is_null() {
+            usage = c["usage"].clone();
+        }
+        for ch in c["choices"].as_array().into_iter().flatten() {
+            let i = ch["index"].as_u64().unwrap() as usize;
+            got[i].extend(
+                ch["token_ids"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(|x| x.as_u64().unwrap()),
+            );
+        }
+    }
+    assert_eq!(got, want);
+    assert_eq!(usage["prompt_tokens"], json!(prompt_tokens));
+
+    // Token lists too; an empty list, too many sequences and a P/D batch are refused by name.
+    let toks: Vec<Vec<u32>> = vec![vec![504, 3458], vec![1, 2, 3]];
+    let (st, v) = post(
+        &s,
+        "/v1/completions",
+        json!({"prompt": toks, "max_tokens": 2, "temperature": 0}),
+    )
+    .await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["choices"].as_array().unwrap().len(), 2);
+    for body in [
+        json!({"prompt": [], "max_tokens": 2}),
+        json!({"prompt": vec!["a"; 20], "n": 8, "max_tokens": 2}),
+        json!({"prompt": ["a", "b"], "max_tokens": 2,
+            "kv_transfer_params": {"do_remote_decode": true}}),
+    ] {
+        let (st, v) = post(&s, "/v1/completions", body.clone()).await;
+        assert_eq!(st, 400, "{body}: {v}");
+        assert_eq!(v["error"]["param"], json!("prompt"), "{v}");
+    }
+    common::wait_all_free(&[&s]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn best_of_returns_the_sequences_with_the_highest_cumulative_logprob() {
+    // No prefix cache: both runs compute the prompt the same way.
+    let s = Server::serve(&["--enable-prefix-caching", "false"]);
+    let base = json!({"prompt": "My favourite animal is", "max_tokens": 5, "temperature": 1.0,
+        "seed": 42, "ignore_eos": true, "logprobs": 0});
+    let sum = |c: &Value| -> f64 {
+        c["logprobs"]["token_logprobs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .sum()
+    };
+    // The four sequences best_of=4 draws (seeds 42..45, as n=4 draws them).
+    let mut all = base.clone();
+    all["n"] = json!(4);
+    let (st, v) = post(&s, "/v1/completions", all).await;
+    assert_eq!(st, 200, "{v}");
+    let mut scores: Vec<(f64, String)> = v["choices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| (sum(c), c["text"].as_str().unwrap().to_string()))
+        .collect();
+    scores.sort_by(|a, b| b.0.total_cmp(&a.0));
+    let mut best = base.clone();
+    best["best_of"] = json!(4);
+    best["n"] = json!(2);
+    let (st, v) = post(&s, "/v1/completions", best).await;
+    assert_eq!(st, 200, "{v}");
+    let got: Vec<String> = v["choices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["text"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(
+        got,
+        vec![scores[0].1.clone(), scores[1].1.clone()],
+        "{scores:?}"
+    );
+    assert_eq!(v["choices"][1]["index"], json!(1));
+    assert_eq!(
+        v["usage"]["completion_tokens"],
+        json!(20),
+        "all 4 were generated"
+    );
+    // Without logprobs asked, none are returned (they were only used to rank).
+    let (st, v) = post(
+        &s,
+        "/v1/completions",
+        json!({"prompt": "Hi", "max_tokens": 3, "best_of": 3, "seed": 1}),
+    )
+    .await;
+    assert_eq!(st, 200, "{v}");
+    assert!(v["choices"][0]["logprobs"].is_null(), "{v}");
+    for (path, body) in [
+        (
+            "/v1/completions",
+            json!({"prompt": "Hi", "n": 3, "best_of": 2}),
+        ),
+        ("/v1/completions", json!({"prompt": "Hi", "best_of": 17})),
+        (
+            "/v1/completions",
+            json!({"prompt": "Hi", "best_of": 2, "stream": true}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "Hi"}], "best_of": 2}),
+        ),
+    ] {
+        let (st, v) = post(&s, path, body.clone()).await;
+        assert_eq!(st, 400, "{body}: {v}");
+        assert_eq!(v["error"]["param"], json!("best_of"), "{v}");
+    }
+    common::wait_all_free(&[&s]).await;
 }

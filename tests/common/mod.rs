@@ -159,6 +159,24 @@ impl Server {
     }
 }
 
+impl Server {
+    /// The sum of every series of `name` (0 when there is none).
+    pub async fn metric_total(&self, name: &str) -> f64 {
+        let Ok(r) = reqwest::get(self.url("/metrics")).await else {
+            return 0.0;
+        };
+        let text = r.text().await.unwrap_or_default();
+        text.lines()
+            .filter(|l| !l.starts_with('#'))
+            .filter_map(|l| {
+                let (series, value) = l.rsplit_once(' ')?;
+                let n = series.split('{').next()?;
+                (n == name).then(|| value.parse::<f64>().ok())?
+            })
+            .sum()
+    }
+}
+
 /// Waits until every instance holds no block and runs no request.
 pub async fn wait_all_free(servers: &[&Server]) {
     let start = Instant::now();

@@ -68,9 +68,8 @@ fn refusal(name: &str) -> Option<&'static str> {
         | "structured_outputs" => "structured outputs are not supported",
         "tools" | "tool_choice" | "functions" | "function_call" => "tool calls are not supported",
         "typical_p" | "top_a" => "this sampling control is not supported",
-        "best_of" | "use_beam_search" | "length_penalty" => {
-            "best-of and beam search are not supported"
-        }
+        "best_of" => "best_of is supported on /v1/completions only",
+        "use_beam_search" | "length_penalty" => "beam search is not supported",
         "prompt_logprobs" => "prompt logprobs are not supported",
         "echo" => "echo is supported on /v1/completions only",
         "suffix" => "suffix (insertion) is not supported",

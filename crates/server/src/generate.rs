@@ -1,6 +1,8 @@
 //! Turns an API request into engine requests and engine events into OpenAI responses.
 //!
-//! One API request with `n` choices becomes `n` engine requests (seeds `seed + i`). A streamed
+//! One API request with `n` choices for each of its prompts (`/v1/completions` takes a list)
+//! becomes `prompts x n` engine requests (seeds `seed + j` for choice `j` of a prompt); choice
+//! `i` answers prompt `i / n`, as vLLM numbers them. A streamed
 //! response sends one chunk per engine event, then a usage chunk if asked, then `[DONE]`; an error
 //! after the stream started is sent as an `{"error": ...}` event before `[DONE]`. Dropping the
 //! response (client gone) drops the engine streams, which aborts the requests.
@@ -33,14 +35,45 @@ pub enum Endpoint {
 pub struct Generation {
     pub endpoint: Endpoint,
     pub request_id: String,
-    pub prompt_ids: Vec<u32>,
-    pub params: SamplingParams,
+    /// One or more prompts (a list only on `/v1/completions`), each answered `n` times.
+    pub prompts: Vec<GenPrompt>,
     pub n: usize,
+    /// Sequences generated per prompt (`best_of`, at least `n`): the `n` with the highest
+    /// cumulative logprob are answered. Equal to `n` when not asked for.
+    pub best_of: usize,
     pub stream: bool,
     pub include_usage: bool,
     pub return_token_ids: bool,
-    pub echo_prompt: Option<String>,
     pub kv_transfer_params: Option<Value>,
+}
+
+/// One prompt of a [`Generation`].
+#[derive(Debug, Clone)]
+pub struct GenPrompt {
+    pub ids: Vec<u32>,
+    pub params: SamplingParams,
+    /// The prompt's text, put before each of its choices' text (`echo`).
+    pub echo: Option<String>,
+}
+
+impl Generation {
+    /// The prompt choice `i` answers.
+    fn prompt_of(&self, i: usize) -> &GenPrompt {
+        &self.prompts[i / self.n.max(1)]
+    }
+
+    /// Sequences generated per prompt.
+    fn per_prompt(&self) -> usize {
+        self.best_of.max(self.n).max(1)
+    }
+
+    fn total_prompt_tokens(&self) -> usize {
+        self.prompts.iter().map(|p| p.ids.len()).sum()
+    }
+
+    fn wants_logprobs(&self) -> bool {
+        self.prompts.iter().any(|p| p.params.logprobs.is_some())
+    }
 }
 
 /// One finished choice.
@@ -71,13 +104,19 @@ fn usage(prompt: usize, completion: usize, cached: usize) -> Usage {
 }
 
 fn submit_all(state: &AppState, g: &Generation) -> Result<Vec<RequestStream>, ApiError> {
-    (0..g.n)
+    let per = g.per_prompt();
+    (0..g.prompts.len() * per)
         .map(|i| {
-            let mut params = g.params.clone();
-            params.seed = params.seed.map(|s| s.wrapping_add(i as u64));
+            let prompt = &g.prompts[i / per];
+            let mut params = prompt.params.clone();
+            params.seed = params.seed.map(|s| s.wrapping_add((i % per) as u64));
+            if per > g.n && params.logprobs.is_none() {
+                // Ranked by cumulative logprob: each sampled token's is needed.
+                params.logprobs = Some(0);
+            }
             let new = NewRequest {
                 external_id: g.request_id.clone(),
-                prompt_token_ids: g.prompt_ids.clone(),
+                prompt_token_ids: prompt.ids.clone(),
                 params,
                 kv_transfer_params: g.kv_transfer_params.clone(),
             };
@@ -172,22 +211,27 @@ async fn full_response(
         c
     }))
     .await;
+    let results = best_of(&g, results);
     let mut choices = Vec::new();
-    let (mut completion, mut cached, mut prompt) = (0, 0, g.prompt_ids.len());
+    let (mut completion, mut cached, prompt) = (0, 0, g.total_prompt_tokens());
     let mut kv_params = Value::Null;
+    let batch = g.prompts.len() > 1;
     for (i, c) in results.into_iter().enumerate() {
         let fin = c.finish.ok_or(ApiError::Engine(EngineError::EngineDead))?;
         if let Some(e) = fin.error {
             return Err(ApiError::Engine(e));
         }
+        let this_prompt = g.prompt_of(i);
         completion += fin.num_output_tokens;
-        cached = fin.num_cached_tokens;
-        prompt = fin.num_prompt_tokens;
+        if i % g.n == 0 {
+            // Once per prompt (its choices share the prompt's cache hits).
+            cached += fin.num_cached_tokens;
+        }
         if i == 0 {
             kv_params = fin.kv_transfer_params.clone().unwrap_or(Value::Null);
         }
         let finish_reason = fin.finish.map(|f| f.as_str());
-        let logprobs = if g.params.logprobs.is_some() {
+        let logprobs = if this_prompt.params.logprobs.is_some() {
             logprobs_json(&state, g.endpoint, &c.logprobs)
         } else {
             Value::Null
@@ -201,7 +245,7 @@ async fn full_response(
                 "stop_reason": fin.stop_reason,
             }),
             Endpoint::Completions => {
-                let text = match &g.echo_prompt {
+                let text = match &this_prompt.echo {
                     Some(p) => format!("{p}{}", c.text),
                     None => c.text,
                 };
@@ -216,6 +260,9 @@ async fn full_response(
         };
         if g.return_token_ids {
             choice["token_ids"] = json!(c.token_ids);
+            if batch {
+                choice["prompt_token_ids"] = json!(this_prompt.ids);
+            }
         }
         choices.push(choice);
     }
@@ -232,10 +279,40 @@ async fn full_response(
         "usage": usage(prompt, completion, cached),
         "kv_transfer_params": kv_params,
     });
-    if g.return_token_ids {
-        body["prompt_token_ids"] = json!(g.prompt_ids);
+    if g.return_token_ids && !batch {
+        body["prompt_token_ids"] = json!(g.prompts[0].ids);
     }
     Ok(Json(body).into_response())
+}
+
+/// With `best_of`, keeps the `n` choices of each prompt with the highest cumulative logprob
+/// (best first, as vLLM orders them); the usage still counts every generated token, since they
+/// were all generated. Without, the choices as they are.
+fn best_of(g: &Generation, results: Vec<Choice>) -> Vec<Choice> {
+    let per = g.per_prompt();
+    if per == g.n {
+        return results;
+    }
+    let mut out = Vec::with_capacity(g.prompts.len() * g.n);
+    let mut it = results.into_iter();
+    for _ in 0..g.prompts.len() {
+        let mut group: Vec<Choice> = it.by_ref().take(per).collect();
+        let unused: usize = group.iter().map(|c| c.token_ids.len()).sum();
+        group.sort_by(|a, b| b.cumulative_logprob().total_cmp(&a.cumulative_logprob()));
+        let kept: usize = group.iter().take(g.n).map(|c| c.token_ids.len()).sum();
+        let mut group: Vec<Choice> = group.into_iter().take(g.n).collect();
+        if let Some(f) = group.first_mut().and_then(|c| c.finish.as_mut()) {
+            f.num_output_tokens += unused - kept;
+        }
+        out.extend(group);
+    }
+    out
+}
+
+impl Choice {
+    fn cumulative_logprob(&self) -> f64 {
+        self.logprobs.iter().map(|l| l.logprob as f64).sum()
+    }
 }
 
 fn sse_json(v: &Value) -> Event {
@@ -263,33 +340,43 @@ fn stream_response(
     });
     let merged = stream::select_all(tagged);
     let mut prelude = Vec::new();
+    let num_choices = g.prompts.len() * g.n;
+    let batch = g.prompts.len() > 1;
     if g.endpoint == Endpoint::Chat {
-        let first: Vec<Value> = (0..g.n)
+        let first: Vec<Value> = (0..num_choices)
             .map(|i| json!({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}))
             .collect();
         let mut c = chunk(json!(first));
         if g.return_token_ids {
-            c["prompt_token_ids"] = json!(g.prompt_ids);
+            c["prompt_token_ids"] = json!(g.prompts[0].ids);
         }
         prelude.push(c);
-    } else if g.echo_prompt.is_some() || g.return_token_ids {
-        let first: Vec<Value> = (0..g.n)
-            .map(|i| json!({"index": i, "text": g.echo_prompt.clone().unwrap_or_default(), "logprobs": null, "finish_reason": null}))
+    } else if g.prompts.iter().any(|p| p.echo.is_some()) || g.return_token_ids {
+        let first: Vec<Value> = (0..num_choices)
+            .map(|i| {
+                let p = g.prompt_of(i);
+                let mut c = json!({"index": i, "text": p.echo.clone().unwrap_or_default(), "logprobs": null, "finish_reason": null});
+                if g.return_token_ids && batch {
+                    c["prompt_token_ids"] = json!(p.ids);
+                }
+                c
+            })
             .collect();
         let mut c = chunk(json!(first));
-        if g.return_token_ids {
-            c["prompt_token_ids"] = json!(g.prompt_ids);
+        if g.return_token_ids && !batch {
+            c["prompt_token_ids"] = json!(g.prompts[0].ids);
         }
         prelude.push(c);
     }
     let usage_state = std::sync::Arc::new(parking_lot::Mutex::new((
-        g.prompt_ids.len(),
+        g.total_prompt_tokens(),
         0usize,
         0usize,
     )));
     let usage_end = usage_state.clone();
     let endpoint = g.endpoint;
-    let want_logprobs = g.params.logprobs.is_some();
+    let want_logprobs = g.wants_logprobs();
+    let n = g.n.max(1);
     let return_ids = g.return_token_ids;
     let include_usage = g.include_usage;
     let chunk2 = chunk.clone();
@@ -300,9 +387,10 @@ fn stream_response(
         }
         if ev.finish.is_some() {
             let mut u = usage_state.lock();
-            u.0 = ev.num_prompt_tokens;
             u.1 += ev.num_output_tokens;
-            u.2 = ev.num_cached_tokens;
+            if i % n == 0 {
+                u.2 += ev.num_cached_tokens;
+            }
         }
         let logprobs = if want_logprobs && !ev.logprobs.is_empty() {
             logprobs_json(&state, endpoint, &ev.logprobs)

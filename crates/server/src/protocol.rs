@@ -83,6 +83,9 @@ pub struct CompletionRequest {
     pub logprobs: Option<usize>,
     #[serde(default)]
     pub echo: bool,
+    /// Sequences generated per prompt, of which the `n` with the highest cumulative logprob
+    /// are returned (at least `n`; not with `stream`).
+    pub best_of: Option<usize>,
     #[serde(flatten)]
     pub common: CommonParams,
 }

@@ -19,7 +19,7 @@ use tandem_kv_connector::KvConnectorError;
 
 use crate::error::ApiError;
 use crate::extract::ApiJson;
-use crate::generate::{respond, Endpoint, Generation};
+use crate::generate::{respond, Endpoint, GenPrompt, Generation};
 use crate::protocol::{
     ChatMessageIn, ChatRequest, CommonParams, CompletionRequest, MessageContent, ModelCard,
     PromptInput,
@@ -324,41 +324,84 @@ async fn completions(
     crate::fields::check_extra_fields(&req.common.extra)?;
     let n = check_n(&req.common)?;
     check_transfer_params(&state, &req.common)?;
-    let (prompt_ids, prompt_text) = match req.prompt {
-        PromptInput::Text(t) => (encode(&state, &t)?, Some(t)),
-        PromptInput::Tokens(ids) => (ids, None),
-        PromptInput::TextBatch(mut v) if v.len() == 1 => {
-            let t = v.remove(0);
-            (encode(&state, &t)?, Some(t))
-        }
-        PromptInput::TokensBatch(mut v) if v.len() == 1 => (v.remove(0), None),
-        _ => {
-            return Err(ApiError::bad_request(
-                Some("prompt"),
-                "a batch of prompts is not supported; send one prompt per request",
-            ))
-        }
+    let texts: Vec<(Option<String>, Option<Vec<u32>>)> = match req.prompt {
+        PromptInput::Text(t) => vec![(Some(t), None)],
+        PromptInput::Tokens(ids) => vec![(None, Some(ids))],
+        PromptInput::TextBatch(v) => v.into_iter().map(|t| (Some(t), None)).collect(),
+        PromptInput::TokensBatch(v) => v.into_iter().map(|ids| (None, Some(ids))).collect(),
     };
-    let params = sampling_params(
-        &state,
-        &req.common,
-        req.common.max_tokens,
-        prompt_ids.len(),
-        req.logprobs,
-    )?;
-    let echo_prompt = req
-        .echo
-        .then(|| prompt_text.unwrap_or_else(|| state.tokenizer.decode(&prompt_ids)));
-    let g = generation(
-        Endpoint::Completions,
-        &headers,
-        req.common,
-        prompt_ids,
-        params,
-        n,
-        echo_prompt,
-    );
+    if texts.is_empty() {
+        return Err(ApiError::bad_request(
+            Some("prompt"),
+            "prompt must not be an empty list",
+        ));
+    }
+    let best_of = req.best_of.unwrap_or(n);
+    if best_of < n || best_of > 16 {
+        return Err(ApiError::bad_request(
+            Some("best_of"),
+            format!("best_of must be between n ({n}) and 16, got {best_of}"),
+        ));
+    }
+    if best_of > n && req.common.stream {
+        return Err(ApiError::bad_request(
+            Some("best_of"),
+            "best_of larger than n cannot be streamed (the best are known only at the end)",
+        ));
+    }
+    if texts.len() * best_of > MAX_CHOICES {
+        return Err(ApiError::bad_request(
+            Some("prompt"),
+            format!(
+                "{} prompts x {best_of} sequences exceed {MAX_CHOICES} sequences per request",
+                texts.len()
+            ),
+        ));
+    }
+    if texts.len() > 1 && !is_local(&req.common.kv_transfer_params) {
+        return Err(ApiError::bad_request(
+            Some("prompt"),
+            "a list of prompts cannot be served in P/D (one kv_transfer_params per request); \
+             send one prompt per request",
+        ));
+    }
+    let mut prompts = Vec::with_capacity(texts.len());
+    for (text, ids) in texts {
+        let ids = match (&text, ids) {
+            (_, Some(ids)) => ids,
+            (Some(t), None) => encode(&state, t)?,
+            (None, None) => unreachable!("built above with one of the two"),
+        };
+        let params = sampling_params(
+            &state,
+            &req.common,
+            req.common.max_tokens,
+            ids.len(),
+            req.logprobs,
+        )?;
+        let echo = req
+            .echo
+            .then(|| text.unwrap_or_else(|| state.tokenizer.decode(&ids)));
+        prompts.push(GenPrompt { ids, params, echo });
+    }
+    let mut g = generation(Endpoint::Completions, &headers, req.common, prompts, n);
+    g.best_of = best_of;
     respond(state, g).await
+}
+
+/// Most engine requests one API request may make (prompts x `n`).
+const MAX_CHOICES: usize = 128;
+
+/// Whether `kv_transfer_params` ask for nothing P/D (absent, null, or both flags unset).
+fn is_local(params: &Option<serde_json::Value>) -> bool {
+    let flag = |k: &str| {
+        params
+            .as_ref()
+            .and_then(|p| p.get(k))
+            .and_then(serde_json::Value::as_bool)
+            .unwrap_or(false)
+    };
+    !flag("do_remote_decode") && !flag("do_remote_prefill")
 }
 
 /// The engine-ready form of a validated request, from the fields both endpoints share.
@@ -366,24 +409,21 @@ fn generation(
     endpoint: Endpoint,
     headers: &HeaderMap,
     common: CommonParams,
-    prompt_ids: Vec<u32>,
-    params: SamplingParams,
+    prompts: Vec<GenPrompt>,
     n: usize,
-    echo_prompt: Option<String>,
 ) -> Generation {
     Generation {
         endpoint,
         request_id: request_id(headers),
-        prompt_ids,
-        params,
+        prompts,
         n,
+        best_of: n,
         stream: common.stream,
         include_usage: common
             .stream_options
             .as_ref()
             .is_some_and(|o| o.include_usage),
         return_token_ids: common.return_token_ids,
-        echo_prompt,
         kv_transfer_params: common.kv_transfer_params.filter(|v| !v.is_null()),
     }
 }
@@ -473,14 +513,11 @@ async fn chat_completions(
     };
     let max_tokens = req.max_completion_tokens.or(req.common.max_tokens);
     let params = sampling_params(&state, &req.common, max_tokens, prompt_ids.len(), logprobs)?;
-    let g = generation(
-        Endpoint::Chat,
-        &headers,
-        req.common,
-        prompt_ids,
+    let prompt = GenPrompt {
+        ids: prompt_ids,
         params,
-        n,
-        None,
-    );
+        echo: None,
+    };
+    let g = generation(Endpoint::Chat, &headers, req.common, vec![prompt], n);
     respond(state, g).await
 }

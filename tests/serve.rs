@@ -1039,3 +1039,62 @@ async fn best_of_returns_the_sequences_with_the_highest_cumulative_logprob() {
     }
     common::wait_all_free(&[&s]).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_exported_tokenizer_encodes_as_the_server_does() {
+    common::require_model();
+    let dir = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
+        .args(["export-tokenizer", "--model", "smollm2-135m"])
+        .arg(dir.path())
+        .current_dir(common::repo_root())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let listed = String::from_utf8_lossy(&out.stdout);
+    for f in [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+    ] {
+        assert!(listed.contains(f), "{listed}");
+    }
+    let config: Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.path().join("tokenizer_config.json")).unwrap(),
+    )
+    .unwrap();
+    assert!(config["chat_template"]
+        .as_str()
+        .is_some_and(|t| t.contains("im_start")));
+    assert_eq!(config["eos_token"], json!("<|im_end|>"));
+    assert!(config["model_max_length"].as_u64().unwrap() >= 2048);
+    // The file loads in Hugging Face's tokenizers and gives the server's ids, specials included.
+    let hf = tokenizers::Tokenizer::from_file(dir.path().join("tokenizer.json")).unwrap();
+    let s = Server::serve(&[]);
+    for text in [
+        "The capital of France is",
+        "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)",
+        "  spaces, 12345 digits, émoji 🚀 and <|im_start|>user\nhi<|im_end|>",
+    ] {
+        let (st, v) = post(&s, "/tokenize", json!({"prompt": text})).await;
+        assert_eq!(st, 200, "{v}");
+        let want: Vec<u32> = v["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect();
+        let got = hf.encode(text, true).unwrap().get_ids().to_vec();
+        assert_eq!(got, want, "{text:?}");
+        let plain = hf.encode(text, false).unwrap().get_ids().to_vec();
+        assert_eq!(
+            hf.decode(&plain, false).unwrap(),
+            text.to_string(),
+            "round trip"
+        );
+    }
+}

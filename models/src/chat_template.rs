@@ -35,6 +35,8 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     bos_token: String,
     eos_token: String,
+    /// The Jinja source, as the model ships it.
+    source: String,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -64,7 +66,13 @@ impl ChatTemplate {
             env,
             bos_token: bos_token.to_owned(),
             eos_token: eos_token.to_owned(),
+            source: source.to_owned(),
         })
+    }
+
+    /// The template's Jinja source.
+    pub fn source(&self) -> &str {
+        &self.source
     }
 
     /// Renders the conversation; with `add_generation_prompt` the text ends where the

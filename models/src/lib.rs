@@ -30,7 +30,9 @@ pub mod weights;
 
 pub use chat_template::{ChatMessage, ChatTemplate};
 pub use error::ModelError;
-pub use loader::{load_model, resolve_model, LoadOptions, LoadedModel, ModelSource};
+pub use loader::{
+    load_model, load_tokenizer, resolve_model, LoadOptions, LoadedModel, ModelSource,
+};
 pub use model::{CausalLm, ForwardBatch, ModelInfo, SeqBatch};
 pub use tokenizer::{IncrementalDetokenizer, TextTokenizer};
 pub use weights::WeightMode;

@@ -270,6 +270,38 @@ pub fn load_model(spec: &str, opts: &LoadOptions) -> Result<LoadedModel, ModelEr
     })
 }
 
+/// The tokenizer of a model, without its weights, and its context length.
+pub fn load_tokenizer(
+    spec: &str,
+    opts: &LoadOptions,
+) -> Result<(String, TextTokenizer, usize), ModelError> {
+    let (name, source) = resolve_model(spec, opts)?;
+    match &source {
+        ModelSource::Gguf(path) => {
+            let mut g = GgufFile::open(path)?;
+            let cfg = LlamaConfig::from_gguf(&mut g)?;
+            Ok((
+                name,
+                TextTokenizer::from_gguf(&g)?,
+                cfg.max_position_embeddings,
+            ))
+        }
+        ModelSource::HfDir(dir) => {
+            let cfg_path = dir.join("config.json");
+            let text =
+                std::fs::read_to_string(&cfg_path).map_err(|e| ModelError::io(&cfg_path, e))?;
+            let json: serde_json::Value = serde_json::from_str(&text)
+                .map_err(|e| ModelError::format(format!("{}: {e}", cfg_path.display())))?;
+            let cfg = LlamaConfig::from_hf_json(&json)?;
+            Ok((
+                name,
+                TextTokenizer::from_hf_dir(dir)?,
+                cfg.max_position_embeddings,
+            ))
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -11,7 +11,7 @@
 //! the incremental detokenizer emits text only once it is stable (no partial UTF-8), and the
 //! concatenation of everything it emits equals `decode` of all ids pushed.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use tokenizers::decoders::byte_level::ByteLevel;
 use tokenizers::models::bpe::BPE;
@@ -19,6 +19,7 @@ use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::pre_tokenizers::PreTokenizerWrapper;
+use tokenizers::processors::template::TemplateProcessing;
 use tokenizers::{AddedToken, SplitDelimiterBehavior, Tokenizer};
 
 use crate::chat_template::{ChatMessage, ChatTemplate};
@@ -262,6 +263,58 @@ impl TextTokenizer {
             stop_ids,
             chat_template,
         })
+    }
+
+    /// Writes a Hugging Face tokenizer directory for this tokenizer into `dir` (created if
+    /// missing): `tokenizer.json` (with a post-processor that adds the BOS where this tokenizer
+    /// prepends it, so `AutoTokenizer` encodes the same ids), `tokenizer_config.json` (special
+    /// tokens, chat template, `model_max_length`) and `special_tokens_map.json`. What benchmark
+    /// clients such as guidellm and aiperf load to count tokens offline. Returns the files.
+    pub fn export_hf_dir(
+        &self,
+        dir: &Path,
+        model_max_length: usize,
+    ) -> Result<Vec<PathBuf>, ModelError> {
+        std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
+        let token = |id: Option<u32>| id.and_then(|i| self.inner.id_to_token(i));
+        let bos = token(self.bos_id);
+        let eos = token(self.eos_ids.first().copied());
+        let mut inner = self.inner.clone();
+        if let (true, Some(bos), Some(bos_id)) = (self.manual_bos, &bos, self.bos_id) {
+            let template = TemplateProcessing::builder()
+                .try_single(format!("{bos} $A:0"))
+                .and_then(|b| b.try_pair(format!("{bos} $A:0 {bos} $B:1")))
+                .map_err(tok_err)?
+                .special_tokens(vec![(bos.clone(), bos_id)])
+                .build()
+                .map_err(tok_err)?;
+            inner.with_post_processor(Some(template));
+        }
+        let tokenizer_json = dir.join("tokenizer.json");
+        inner.save(&tokenizer_json, false).map_err(tok_err)?;
+        let mut config = serde_json::json!({
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": bos,
+            "eos_token": eos,
+            "add_bos_token": self.manual_bos,
+            "model_max_length": model_max_length,
+            "clean_up_tokenization_spaces": false,
+        });
+        if let Some(t) = &self.chat_template {
+            config["chat_template"] = serde_json::Value::String(t.source().to_owned());
+        }
+        let special = serde_json::json!({"bos_token": bos, "eos_token": eos});
+        let mut files = vec![tokenizer_json];
+        for (name, value) in [
+            ("tokenizer_config.json", config),
+            ("special_tokens_map.json", special),
+        ] {
+            let path = dir.join(name);
+            let text = serde_json::to_string_pretty(&value).expect("JSON values serialize");
+            std::fs::write(&path, text).map_err(|e| ModelError::io(&path, e))?;
+            files.push(path);
+        }
+        Ok(files)
     }
 
     /// Token ids of `text`. Special tokens written in the text are always recognized;

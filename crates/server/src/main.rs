@@ -56,6 +56,15 @@ enum Command {
         #[command(flatten)]
         args: tandem_server::probe::HealthArgs,
     },
+    /// Write a Hugging Face tokenizer directory for a model (what guidellm and aiperf load to
+    /// count tokens offline): tokenizer.json, tokenizer_config.json, special_tokens_map.json.
+    ExportTokenizer {
+        /// The model, as `serve --model` takes it.
+        #[arg(long, default_value = "smollm2-135m")]
+        model: String,
+        /// The directory to write (created if missing).
+        dir: PathBuf,
+    },
     /// Print the KV checksums of KV held in a safetensors file, as JSON.
     KvChecksum {
         /// safetensors with `layers.{L}.k` / `layers.{L}.v`, each [tokens, kv_heads, head_dim].
@@ -140,6 +149,15 @@ fn main() -> anyhow::Result<()> {
                 num_tokens,
             )?;
             println!("{}", serde_json::to_string_pretty(&json)?);
+            Ok(())
+        }
+        Command::ExportTokenizer { model, dir } => {
+            let opts = tandem_models::LoadOptions::default();
+            let (name, tokenizer, max_len) = tandem_models::load_tokenizer(&model, &opts)?;
+            for f in tokenizer.export_hf_dir(&dir, max_len)? {
+                println!("{}", f.display());
+            }
+            eprintln!("tokenizer of {name} written to {}", dir.display());
             Ok(())
         }
         Command::Serve { args, .. } => {

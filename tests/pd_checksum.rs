@@ -92,7 +92,7 @@ async fn clean_runs_verify_every_load() {
         d.decode
             .metric("tandem:kv_checksum_loads_total", &[("verdict", "mismatch")])
             .await,
-        None
+        Some(0.0)
     );
     assert_eq!(
         d.decode
@@ -101,7 +101,7 @@ async fn clean_runs_verify_every_load() {
                 &[("verdict", "unverified")]
             )
             .await,
-        None
+        Some(0.0)
     );
     assert_eq!(
         d.prefill

@@ -236,12 +236,7 @@ pub fn load_model(spec: &str, opts: &LoadOptions) -> Result<LoadedModel, ModelEr
             (Box::new(Llama::load(&mut g, cfg, opts.weights)?), tokenizer)
         }
         ModelSource::HfDir(dir) => {
-            let cfg_path = dir.join("config.json");
-            let text =
-                std::fs::read_to_string(&cfg_path).map_err(|e| ModelError::io(&cfg_path, e))?;
-            let json: serde_json::Value = serde_json::from_str(&text)
-                .map_err(|e| ModelError::format(format!("{}: {e}", cfg_path.display())))?;
-            let cfg = LlamaConfig::from_hf_json(&json)?;
+            let cfg = hf_config(dir)?;
             let tokenizer = TextTokenizer::from_hf_dir(dir)?;
             let mut src = SafetensorsSource::open(dir)?;
             (
@@ -270,6 +265,15 @@ pub fn load_model(spec: &str, opts: &LoadOptions) -> Result<LoadedModel, ModelEr
     })
 }
 
+/// The model config of a Hugging Face directory (`config.json`).
+fn hf_config(dir: &Path) -> Result<LlamaConfig, ModelError> {
+    let cfg_path = dir.join("config.json");
+    let text = std::fs::read_to_string(&cfg_path).map_err(|e| ModelError::io(&cfg_path, e))?;
+    let json: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| ModelError::format(format!("{}: {e}", cfg_path.display())))?;
+    LlamaConfig::from_hf_json(&json)
+}
+
 /// The tokenizer of a model, without its weights, and its context length.
 pub fn load_tokenizer(
     spec: &str,
@@ -287,12 +291,7 @@ pub fn load_tokenizer(
             ))
         }
         ModelSource::HfDir(dir) => {
-            let cfg_path = dir.join("config.json");
-            let text =
-                std::fs::read_to_string(&cfg_path).map_err(|e| ModelError::io(&cfg_path, e))?;
-            let json: serde_json::Value = serde_json::from_str(&text)
-                .map_err(|e| ModelError::format(format!("{}: {e}", cfg_path.display())))?;
-            let cfg = LlamaConfig::from_hf_json(&json)?;
+            let cfg = hf_config(dir)?;
             Ok((
                 name,
                 TextTokenizer::from_hf_dir(dir)?,

@@ -169,6 +169,115 @@ pub enum KvChecksumCarrier {
     Connector,
 }
 
+impl ConnectorMetadata {
+    /// The payload as the connector's own type; `None` for a step without metadata, an error
+    /// for another connector's.
+    pub fn payload<T: 'static>(&self) -> Result<Option<&T>, KvConnectorError> {
+        match &self.0 {
+            None => Ok(None),
+            Some(any) => any.downcast_ref::<T>().map(Some).ok_or_else(|| {
+                KvConnectorError::InvalidConfig(
+                    "the scheduler side sent metadata of another connector".into(),
+                )
+            }),
+        }
+    }
+}
+
+/// The consumer requests a connector's scheduler side tracks: those whose load was handed to
+/// the workers (`loading` until reported in `finished_recving`), those whose request ended
+/// mid-load (`cancelled`: their blocks held until reported in `finished_sending`), and every
+/// request whose load was recorded, until it ends.
+#[derive(Debug, Default)]
+pub struct ConsumerLoads {
+    loading: HashSet<u64>,
+    cancelled: HashSet<u64>,
+    consumers: HashSet<u64>,
+}
+
+/// How a tracked consumer request ended (see [`ConsumerLoads::finish`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConsumerEnd {
+    /// Its load was in flight: the workers must stop it; its blocks wait for them.
+    MidLoad,
+    /// After its load (or with none needed): nothing to do.
+    Done,
+}
+
+impl ConsumerLoads {
+    /// A consumer request's load is recorded (`loading`: handed to the workers).
+    pub fn start(&mut self, request_id: u64, loading: bool) {
+        self.consumers.insert(request_id);
+        if loading {
+            self.loading.insert(request_id);
+        }
+    }
+
+    /// The request ended; `None` when it was never recorded here.
+    pub fn finish(&mut self, request_id: u64) -> Option<ConsumerEnd> {
+        if self.loading.remove(&request_id) {
+            self.consumers.remove(&request_id);
+            self.cancelled.insert(request_id);
+            return Some(ConsumerEnd::MidLoad);
+        }
+        self.consumers
+            .remove(&request_id)
+            .then_some(ConsumerEnd::Done)
+    }
+
+    /// The workers' report of a step.
+    pub fn update(&mut self, output: &ConnectorOutput) {
+        for id in &output.finished_recving {
+            self.loading.remove(id);
+        }
+        for id in &output.finished_sending {
+            self.cancelled.remove(id);
+        }
+    }
+
+    /// (loading, cancelled, consumers).
+    pub fn counts(&self) -> (usize, usize, usize) {
+        (
+            self.loading.len(),
+            self.cancelled.len(),
+            self.consumers.len(),
+        )
+    }
+}
+
+impl ConsumerEnd {
+    /// What the engine does with the request's blocks.
+    pub fn action(self) -> FinishedAction {
+        FinishedAction {
+            delay_free: self == ConsumerEnd::MidLoad,
+            kv_transfer_params: None,
+        }
+    }
+}
+
+/// Tokens a consumer loads past its local prefix hit of `num_computed_tokens`: the rest of the
+/// prompt, asynchronously, when the hit ends on a block boundary; none (prefill locally)
+/// otherwise, since a load never writes into a partly computed, possibly shared, block.
+pub fn remote_prompt_tokens(
+    request: &ConnectorRequest<'_>,
+    num_computed_tokens: usize,
+    block_size: usize,
+) -> MatchedTokens {
+    if !num_computed_tokens.is_multiple_of(block_size) {
+        tracing::warn!(request = %request.external_id, num_computed_tokens,
+            "local prefix hit is not block-aligned; prefilling locally");
+        return MatchedTokens::default();
+    }
+    let n = request
+        .prompt_token_ids
+        .len()
+        .saturating_sub(num_computed_tokens);
+    MatchedTokens {
+        num_external_tokens: n,
+        load_async: n > 0,
+    }
+}
+
 /// The scheduler side of a connector.
 pub trait KvConnectorScheduler: Send {
     /// Tokens beyond `num_computed_tokens` (the local prefix hit) the connector can provide.

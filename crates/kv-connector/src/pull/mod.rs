@@ -45,7 +45,7 @@ pub use worker::{NixlPullWorker, PullWorkerConfig};
 
 use crate::auth::TransferAuth;
 use crate::base::{KvConnectorScheduler, KvConnectorWorker};
-use crate::config::KvTransferConfig;
+use crate::config::{KvMode, KvTransferConfig};
 use crate::error::KvConnectorError;
 use crate::nixl::{load_nixl, NixlAgentConfig, NixlLibrary};
 
@@ -75,15 +75,15 @@ impl HandshakeProvider {
     }
 }
 
-/// The parts of a pull connector, ready to be given to the engine and the server.
+/// The parts of a NIXL connector (pull or push), ready to be given to the engine and the server.
 #[derive(Debug)]
-pub struct NixlPullConnector {
-    pub scheduler: NixlPullScheduler,
+pub struct NixlConnectorParts<S, W> {
+    pub scheduler: S,
     /// Creates its NIXL agent in `register_kv_caches`.
-    pub worker: NixlPullWorker,
+    pub worker: W,
     /// Serve [`HandshakeProvider::json`] at [`HANDSHAKE_PATH`] (through [`Self::peer_service`]).
     pub handshake: HandshakeProvider,
-    /// The producer's KV routes: handshake, claim, release.
+    /// The instance's KV routes: handshake, claim, release (and push registrations).
     pub peer_service: KvPeerService,
     /// The consumer's check of a request's params, before the engine sees them.
     pub admission: KvAdmission,
@@ -91,7 +91,14 @@ pub struct NixlPullConnector {
     pub library: NixlLibrary,
 }
 
-impl NixlPullConnector {
+/// The pull connector's parts.
+pub type NixlPullConnector = NixlConnectorParts<NixlPullScheduler, NixlPullWorker>;
+
+impl<S, W> NixlConnectorParts<S, W>
+where
+    S: KvConnectorScheduler + 'static,
+    W: KvConnectorWorker + 'static,
+{
     /// The parts as the engine takes them.
     pub fn into_parts(
         self,
@@ -124,8 +131,8 @@ pub fn nixl_pull_connector(
     http_port: u16,
     auth: Option<TransferAuth>,
 ) -> Result<NixlPullConnector, KvConnectorError> {
+    let shared = SharedParts::new(config, model_name, auth, KvMode::Pull, http_port)?;
     let extra = &config.kv_connector_extra_config;
-    let library = load_nixl(extra.nixl_lib_dir.as_deref())?;
     let lease_table = LeaseTable::new();
     let scheduler = NixlPullScheduler::with_lease_table(
         PullSchedulerConfig {
@@ -135,16 +142,44 @@ pub fn nixl_pull_connector(
             side_channel_host: extra.side_channel_host.clone(),
             http_port,
             kv_lease_duration: extra.kv_lease_duration,
-            auth: auth.clone(),
+            auth: shared.auth.clone(),
         },
         lease_table.clone(),
     )?;
-    let mut agent = NixlAgentConfig::new(&config.engine_id, model_name);
-    agent.lib_dir = extra.nixl_lib_dir.clone();
-    agent.progress_thread = config.progress_thread();
-    let handshake = HandshakeProvider::new();
     let worker = NixlPullWorker::new(
-        PullWorkerConfig {
+        shared.worker_config.clone(),
+        shared.handshake.clone(),
+        lease_table.clone(),
+    );
+    Ok(shared.finish(scheduler, worker, lease_table))
+}
+
+/// What the pull and push connectors build alike: NIXL loaded first, the worker's config (its
+/// agent's included), the handshake, the admission check.
+pub(crate) struct SharedParts {
+    pub library: NixlLibrary,
+    pub worker_config: PullWorkerConfig,
+    pub handshake: HandshakeProvider,
+    pub admission: KvAdmission,
+    pub auth: Option<TransferAuth>,
+    engine_id: String,
+}
+
+impl SharedParts {
+    pub fn new(
+        config: &KvTransferConfig,
+        model_name: &str,
+        auth: Option<TransferAuth>,
+        mode: KvMode,
+        http_port: u16,
+    ) -> Result<Self, KvConnectorError> {
+        let extra = &config.kv_connector_extra_config;
+        let library = load_nixl(extra.nixl_lib_dir.as_deref())?;
+        let mut agent = NixlAgentConfig::new(&config.engine_id, model_name);
+        agent.lib_dir = extra.nixl_lib_dir.clone();
+        agent.progress_thread = config.progress_thread();
+        agent.kv_mode = mode;
+        let worker_config = PullWorkerConfig {
             role: config.kv_role,
             agent,
             kv_lease_duration: extra.kv_lease_duration,
@@ -152,27 +187,38 @@ pub fn nixl_pull_connector(
             handshake_timeout: extra.handshake_timeout,
             auth: auth.clone(),
             transport_fault: extra.transport_fault_injection,
-        },
-        handshake.clone(),
-        lease_table.clone(),
-    );
-    let peer_service = KvPeerService::new(
-        config.engine_id.clone(),
-        handshake.clone(),
-        lease_table,
-        auth.clone(),
-    );
-    let admission = KvAdmission::new(auth.clone(), extra.producer_allowlist(auth.is_some()));
-    tracing::info!(role = config.kv_role.as_str(), engine_id = %config.engine_id,
-        side_channel_host = %extra.side_channel_host, http_port,
-        library = %library.path.display(), signed = auth.is_some(),
-        "NIXL pull connector configured");
-    Ok(NixlPullConnector {
-        scheduler,
-        worker,
-        handshake,
-        peer_service,
-        admission,
-        library,
-    })
+        };
+        let admission = KvAdmission::new(auth.clone(), extra.producer_allowlist(auth.is_some()));
+        tracing::info!(role = config.kv_role.as_str(), mode = mode.as_str(),
+            engine_id = %config.engine_id, side_channel_host = %extra.side_channel_host,
+            http_port, library = %library.path.display(), signed = auth.is_some(),
+            "NIXL connector configured");
+        Ok(SharedParts {
+            library,
+            worker_config,
+            handshake: HandshakeProvider::new(),
+            admission,
+            auth,
+            engine_id: config.engine_id.clone(),
+        })
+    }
+
+    /// The connector's parts around its two sides; `leases` backs its KV routes.
+    pub fn finish<S, W>(
+        self,
+        scheduler: S,
+        worker: W,
+        leases: LeaseTable,
+    ) -> NixlConnectorParts<S, W> {
+        let peer_service =
+            KvPeerService::new(self.engine_id, self.handshake.clone(), leases, self.auth);
+        NixlConnectorParts {
+            scheduler,
+            worker,
+            handshake: self.handshake,
+            peer_service,
+            admission: self.admission,
+            library: self.library,
+        }
+    }
 }

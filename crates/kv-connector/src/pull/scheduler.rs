@@ -24,7 +24,7 @@
 //!   the workers a release, so the producer frees without waiting for its lease to expire.
 //! - [`NixlPullScheduler::is_idle`] holds once every request has finished and been reported.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use tandem_kv_cache::BlockId;
@@ -34,8 +34,9 @@ use super::leases::LeaseTable;
 use super::protocol::{LeaseSpec, LoadKind, LoadSpec, PeerAddr, PullMetadata};
 use crate::auth::{unix_millis, TransferAuth};
 use crate::base::{
-    ConnectorMetadata, ConnectorOutput, ConnectorRequest, FinishKind, FinishedAction,
-    KvChecksumCarrier, KvConnectorScheduler, MatchedTokens,
+    remote_prompt_tokens, ConnectorMetadata, ConnectorOutput, ConnectorRequest, ConsumerEnd,
+    ConsumerLoads, FinishKind, FinishedAction, KvChecksumCarrier, KvConnectorScheduler,
+    MatchedTokens,
 };
 use crate::config::{KvMode, KvRole};
 use crate::error::KvConnectorError;
@@ -73,14 +74,10 @@ pub struct PullSchedulerStats {
 #[derive(Debug)]
 pub struct NixlPullScheduler {
     config: PullSchedulerConfig,
-    /// Consumer requests whose READ is with the workers.
-    loading: HashSet<u64>,
-    /// Requests that ended while `loading`: blocks held until `finished_sending`.
-    cancelled: HashSet<u64>,
+    /// Consumer requests and their loads.
+    loads: ConsumerLoads,
     /// Producer requests under lease: engine id → remote request id.
     leases: HashMap<u64, String>,
-    /// Consumer requests whose load was recorded (so their end needs no release).
-    consumers: HashSet<u64>,
     pending: PullMetadata,
     /// Issued leases as the producer's claim and release routes see them.
     lease_table: LeaseTable,
@@ -108,10 +105,8 @@ impl NixlPullScheduler {
         }
         Ok(NixlPullScheduler {
             config,
-            loading: HashSet::new(),
-            cancelled: HashSet::new(),
+            loads: ConsumerLoads::default(),
             leases: HashMap::new(),
-            consumers: HashSet::new(),
             pending: PullMetadata::default(),
             lease_table,
         })
@@ -128,10 +123,10 @@ impl NixlPullScheduler {
 
     pub fn stats(&self) -> PullSchedulerStats {
         PullSchedulerStats {
-            loading: self.loading.len(),
-            cancelled: self.cancelled.len(),
+            loading: self.loads.counts().0,
+            cancelled: self.loads.counts().1,
             leases: self.leases.len(),
-            consumers: self.consumers.len(),
+            consumers: self.loads.counts().2,
         }
     }
 
@@ -225,20 +220,11 @@ impl KvConnectorScheduler for NixlPullScheduler {
             return Ok(MatchedTokens::default());
         }
         debug_assert_eq!(remote.tp_size, SUPPORTED_TP_SIZE);
-        if !num_computed_tokens.is_multiple_of(self.config.block_size) {
-            // Loading into a partly computed (possibly shared) block is never done.
-            tracing::warn!(request = %request.external_id, num_computed_tokens,
-                "local prefix hit is not block-aligned; prefilling locally");
-            return Ok(MatchedTokens::default());
-        }
-        let n = request
-            .prompt_token_ids
-            .len()
-            .saturating_sub(num_computed_tokens);
-        Ok(MatchedTokens {
-            num_external_tokens: n,
-            load_async: n > 0,
-        })
+        Ok(remote_prompt_tokens(
+            request,
+            num_computed_tokens,
+            self.config.block_size,
+        ))
     }
 
     fn update_state_after_alloc(
@@ -254,7 +240,7 @@ impl KvConnectorScheduler for NixlPullScheduler {
             return;
         };
         let id = request.request_id;
-        self.consumers.insert(id);
+        self.loads.start(id, num_external_tokens > 0);
         if num_external_tokens == 0 {
             // Served locally after all: the producer may free now.
             self.pending
@@ -271,7 +257,6 @@ impl KvConnectorScheduler for NixlPullScheduler {
         let local_computed = prompt_len.saturating_sub(num_external_tokens);
         let first = local_computed / remote_bs;
         let end = prompt_len.div_ceil(remote_bs);
-        self.loading.insert(id);
         let mut spec = Self::spec(id, &remote, LoadKind::Read);
         if !local_computed.is_multiple_of(bs)
             || block_ids.len() < prompt_len.div_ceil(bs)
@@ -304,12 +289,9 @@ impl KvConnectorScheduler for NixlPullScheduler {
     }
 
     fn update_connector_output(&mut self, output: &ConnectorOutput) {
-        for id in &output.finished_recving {
-            self.loading.remove(id);
-        }
+        self.loads.update(output);
         for id in &output.finished_sending {
             self.leases.remove(id);
-            self.cancelled.remove(id);
         }
     }
 
@@ -326,18 +308,13 @@ impl KvConnectorScheduler for NixlPullScheduler {
         finish: FinishKind,
     ) -> FinishedAction {
         let id = request.request_id;
-        if self.loading.remove(&id) {
-            // Its READ may still write into these blocks: hold them until the workers say so.
-            self.consumers.remove(&id);
-            self.cancelled.insert(id);
-            self.pending.cancelled_loads.push(id);
-            return FinishedAction {
-                delay_free: true,
-                kv_transfer_params: None,
-            };
-        }
-        if self.consumers.remove(&id) {
-            return FinishedAction::default();
+        if let Some(end) = self.loads.finish(id) {
+            // Mid-load, its blocks may still be written into: the workers stop the load and
+            // release them.
+            if end == ConsumerEnd::MidLoad {
+                self.pending.cancelled_loads.push(id);
+            }
+            return end.action();
         }
         // Params were validated at admission; a request rejected there ends here quietly.
         let Ok(kind) = self.parse(request) else {

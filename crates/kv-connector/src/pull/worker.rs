@@ -52,6 +52,38 @@ pub struct PullWorkerConfig {
     pub transport_fault: Option<TransportFault>,
 }
 
+impl PullWorkerConfig {
+    /// Creates the worker's agent over `storage` and publishes its handshake; with
+    /// `loader_fault` (the transfer thread's fault, if any) also spawns the transfer thread,
+    /// which drains notifications while idle when the agent has no progress thread and
+    /// `drain_when_idle` (nobody else drains them).
+    pub(crate) fn start(
+        &self,
+        storage: Arc<KvStorage>,
+        handshake: &HandshakeProvider,
+        loader_fault: Option<Option<TransportFault>>,
+        drain_when_idle: bool,
+    ) -> Result<(Arc<NixlAgent>, Option<Loader>), KvConnectorError> {
+        let agent = Arc::new(NixlAgent::new(self.agent.clone(), storage)?);
+        handshake.publish(agent.handshake()?.to_json());
+        let loader = match loader_fault {
+            None => None,
+            Some(fault) => Some(Loader::spawn(
+                agent.clone(),
+                LoaderConfig {
+                    load_timeout: self.load_timeout,
+                    handshake_timeout: self.handshake_timeout,
+                    kv_lease_duration: self.kv_lease_duration,
+                    progress_when_idle: !self.agent.progress_thread && drain_when_idle,
+                },
+                self.auth.clone(),
+                fault,
+            )?),
+        };
+        Ok((agent, loader))
+    }
+}
+
 #[derive(Debug, Clone, Copy)]
 struct Lease {
     request_id: u64,
@@ -367,36 +399,24 @@ impl KvConnectorWorker for NixlPullWorker {
                 self.lease_table.arm_source_fault(storage.clone(), f);
             }
         }
-        let agent = Arc::new(NixlAgent::new(self.config.agent.clone(), storage)?);
-        self.handshake.publish(agent.handshake()?.to_json());
-        if self.config.role.is_consumer() {
-            self.loader = Some(Loader::spawn(
-                agent.clone(),
-                LoaderConfig {
-                    load_timeout: self.config.load_timeout,
-                    handshake_timeout: self.config.handshake_timeout,
-                    kv_lease_duration: self.config.kv_lease_duration,
-                    progress_when_idle: !self.config.agent.progress_thread
-                        && !self.config.role.is_producer(),
-                },
-                self.config.auth.clone(),
+        let (agent, loader) = self.config.start(
+            storage,
+            &self.handshake,
+            self.config.role.is_consumer().then_some(
                 self.config
                     .transport_fault
                     .filter(|f| f.kind != TransportFaultKind::CorruptSource),
-            )?);
-        }
+            ),
+            !self.config.role.is_producer(),
+        )?;
+        self.loader = loader;
         self.agent = Some(agent);
         Ok(())
     }
 
     fn start_load_kv(&mut self, metadata: &ConnectorMetadata) -> Result<(), KvConnectorError> {
-        let Some(any) = &metadata.0 else {
+        let Some(meta) = metadata.payload::<PullMetadata>()? else {
             return Ok(());
-        };
-        let Some(meta) = any.downcast_ref::<PullMetadata>() else {
-            return Err(KvConnectorError::InvalidConfig(
-                "the scheduler side sent metadata of another connector".into(),
-            ));
         };
         for spec in &meta.loads {
             self.submit(spec);

@@ -36,45 +36,15 @@ pub use scheduler::{NixlPushScheduler, PushSchedulerConfig, PushSchedulerStats};
 pub use worker::NixlPushWorker;
 
 use crate::auth::TransferAuth;
-use crate::base::{KvConnectorScheduler, KvConnectorWorker};
 use crate::config::{KvMode, KvTransferConfig};
 use crate::error::KvConnectorError;
-use crate::nixl::{load_nixl, NixlAgentConfig, NixlLibrary};
-use crate::pull::{HandshakeProvider, KvAdmission, KvPeerService, LeaseTable, PullWorkerConfig};
+use crate::pull::{LeaseTable, NixlConnectorParts, SharedParts};
 
 /// Where a push producer accepts registrations (on its OpenAI HTTP port).
 pub const REGISTER_PATH: &str = "/v1/kv/push/register";
 
-/// The parts of a push connector, ready to be given to the engine and the server.
-#[derive(Debug)]
-pub struct NixlPushConnector {
-    pub scheduler: NixlPushScheduler,
-    pub worker: NixlPushWorker,
-    pub handshake: HandshakeProvider,
-    /// The KV routes: handshake, registration.
-    pub peer_service: KvPeerService,
-    pub admission: KvAdmission,
-    pub library: NixlLibrary,
-}
-
-impl NixlPushConnector {
-    /// The parts as the engine takes them.
-    pub fn into_parts(
-        self,
-    ) -> (
-        Box<dyn KvConnectorScheduler>,
-        Box<dyn KvConnectorWorker>,
-        KvPeerService,
-        KvAdmission,
-    ) {
-        (
-            Box::new(self.scheduler),
-            Box::new(self.worker),
-            self.peer_service,
-            self.admission,
-        )
-    }
-}
+/// The push connector's parts.
+pub type NixlPushConnector = NixlConnectorParts<NixlPushScheduler, NixlPushWorker>;
 
 /// Builds the push connector of one instance (TP 1); the arguments are those of
 /// [`crate::pull::nixl_pull_connector`]. Loads NIXL first.
@@ -85,8 +55,8 @@ pub fn nixl_push_connector(
     http_port: u16,
     auth: Option<TransferAuth>,
 ) -> Result<NixlPushConnector, KvConnectorError> {
+    let shared = SharedParts::new(config, model_name, auth, KvMode::Push, http_port)?;
     let extra = &config.kv_connector_extra_config;
-    let library = load_nixl(extra.nixl_lib_dir.as_deref())?;
     let scheduler = NixlPushScheduler::new(PushSchedulerConfig {
         role: config.kv_role,
         engine_id: config.engine_id.clone(),
@@ -96,43 +66,13 @@ pub fn nixl_push_connector(
         kv_lease_duration: extra.kv_lease_duration,
         load_timeout: extra.load_timeout,
     })?;
-    let mut agent = NixlAgentConfig::new(&config.engine_id, model_name);
-    agent.lib_dir = extra.nixl_lib_dir.clone();
-    agent.progress_thread = config.progress_thread();
-    agent.kv_mode = KvMode::Push;
-    let handshake = HandshakeProvider::new();
     let registry = PushRegistry::new(extra.kv_lease_duration);
     let worker = NixlPushWorker::new(
-        PullWorkerConfig {
-            role: config.kv_role,
-            agent,
-            kv_lease_duration: extra.kv_lease_duration,
-            load_timeout: extra.load_timeout,
-            handshake_timeout: extra.handshake_timeout,
-            auth: auth.clone(),
-            transport_fault: extra.transport_fault_injection,
-        },
-        handshake.clone(),
+        shared.worker_config.clone(),
+        shared.handshake.clone(),
         registry.clone(),
     );
-    let peer_service = KvPeerService::new(
-        config.engine_id.clone(),
-        handshake.clone(),
-        LeaseTable::new(),
-        auth.clone(),
-    )
-    .with_push_registry(registry);
-    let admission = KvAdmission::new(auth.clone(), extra.producer_allowlist(auth.is_some()));
-    tracing::info!(role = config.kv_role.as_str(), engine_id = %config.engine_id,
-        side_channel_host = %extra.side_channel_host, http_port,
-        library = %library.path.display(), signed = auth.is_some(),
-        "NIXL push connector configured");
-    Ok(NixlPushConnector {
-        scheduler,
-        worker,
-        handshake,
-        peer_service,
-        admission,
-        library,
-    })
+    let mut parts = shared.finish(scheduler, worker, LeaseTable::new());
+    parts.peer_service = parts.peer_service.with_push_registry(registry);
+    Ok(parts)
 }

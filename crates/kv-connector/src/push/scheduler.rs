@@ -21,15 +21,16 @@
 //! - A consumer request that needs nothing, or ends before its registration, registers no
 //!   blocks (a release), so the producer frees at once.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use tandem_kv_cache::BlockId;
 
 use super::protocol::{ConsumerAddr, PushMetadata, PushSpec, RegisterSpec, Registration};
 use crate::base::{
-    ConnectorMetadata, ConnectorOutput, ConnectorRequest, FinishKind, FinishedAction,
-    KvChecksumCarrier, KvConnectorScheduler, MatchedTokens,
+    remote_prompt_tokens, ConnectorMetadata, ConnectorOutput, ConnectorRequest, ConsumerEnd,
+    ConsumerLoads, FinishKind, FinishedAction, KvChecksumCarrier, KvConnectorScheduler,
+    MatchedTokens,
 };
 use crate::config::{KvMode, KvRole};
 use crate::error::KvConnectorError;
@@ -65,11 +66,10 @@ pub struct PushSchedulerStats {
 #[derive(Debug)]
 pub struct NixlPushScheduler {
     config: PushSchedulerConfig,
-    loading: HashSet<u64>,
-    cancelled: HashSet<u64>,
+    /// Consumer requests and their loads.
+    loads: ConsumerLoads,
     /// Producer requests holding blocks: engine id → transfer id.
     pushing: HashMap<u64, String>,
-    consumers: HashSet<u64>,
     pending: PushMetadata,
 }
 
@@ -85,10 +85,8 @@ impl NixlPushScheduler {
         }
         Ok(NixlPushScheduler {
             config,
-            loading: HashSet::new(),
-            cancelled: HashSet::new(),
+            loads: ConsumerLoads::default(),
             pushing: HashMap::new(),
-            consumers: HashSet::new(),
             pending: PushMetadata::default(),
         })
     }
@@ -99,10 +97,10 @@ impl NixlPushScheduler {
 
     pub fn stats(&self) -> PushSchedulerStats {
         PushSchedulerStats {
-            loading: self.loading.len(),
-            cancelled: self.cancelled.len(),
+            loading: self.loads.counts().0,
+            cancelled: self.loads.counts().1,
             pushing: self.pushing.len(),
-            consumers: self.consumers.len(),
+            consumers: self.loads.counts().2,
         }
     }
 
@@ -193,19 +191,11 @@ impl KvConnectorScheduler for NixlPushScheduler {
             }
             _ => return Ok(MatchedTokens::default()),
         }
-        if !num_computed_tokens.is_multiple_of(self.config.block_size) {
-            tracing::warn!(request = %request.external_id, num_computed_tokens,
-                "local prefix hit is not block-aligned; prefilling locally");
-            return Ok(MatchedTokens::default());
-        }
-        let n = request
-            .prompt_token_ids
-            .len()
-            .saturating_sub(num_computed_tokens);
-        Ok(MatchedTokens {
-            num_external_tokens: n,
-            load_async: n > 0,
-        })
+        Ok(remote_prompt_tokens(
+            request,
+            num_computed_tokens,
+            self.config.block_size,
+        ))
     }
 
     fn update_state_after_alloc(
@@ -221,7 +211,7 @@ impl KvConnectorScheduler for NixlPushScheduler {
             return;
         };
         let id = request.request_id;
-        self.consumers.insert(id);
+        self.loads.start(id, num_external_tokens > 0);
         if num_external_tokens == 0 {
             // Served locally after all: the producer may free now.
             self.register(request, &remote, 0, Vec::new());
@@ -231,7 +221,6 @@ impl KvConnectorScheduler for NixlPushScheduler {
         let prompt_len = request.prompt_token_ids.len();
         let local_computed = prompt_len.saturating_sub(num_external_tokens);
         let (first, end) = (local_computed / bs, prompt_len.div_ceil(bs));
-        self.loading.insert(id);
         if !local_computed.is_multiple_of(bs) || block_ids.len() < end {
             let reason = format!(
                 "cannot place the load: {num_external_tokens} external of {prompt_len} prompt \
@@ -254,12 +243,9 @@ impl KvConnectorScheduler for NixlPushScheduler {
     }
 
     fn update_connector_output(&mut self, output: &ConnectorOutput) {
-        for id in &output.finished_recving {
-            self.loading.remove(id);
-        }
+        self.loads.update(output);
         for id in &output.finished_sending {
             self.pushing.remove(id);
-            self.cancelled.remove(id);
         }
     }
 
@@ -283,18 +269,13 @@ impl KvConnectorScheduler for NixlPushScheduler {
         finish: FinishKind,
     ) -> FinishedAction {
         let id = request.request_id;
-        if self.loading.remove(&id) {
-            // The producer may still write into these blocks: hold them until the workers say so.
-            self.consumers.remove(&id);
-            self.cancelled.insert(id);
-            self.pending.cancelled_loads.push(id);
-            return FinishedAction {
-                delay_free: true,
-                kv_transfer_params: None,
-            };
-        }
-        if self.consumers.remove(&id) {
-            return FinishedAction::default();
+        if let Some(end) = self.loads.finish(id) {
+            // Mid-load, its blocks may still be written into: the workers stop the load and
+            // release them.
+            if end == ConsumerEnd::MidLoad {
+                self.pending.cancelled_loads.push(id);
+            }
+            return end.action();
         }
         let Ok(kind) = self.parse(request) else {
             return FinishedAction::default();

@@ -38,7 +38,7 @@ use crate::base::{ConnectorMetadata, ConnectorOutput, KvConnectorWorker};
 use crate::error::KvConnectorError;
 use crate::nixl::NixlAgent;
 use crate::pull::fault::{SplitMix, TransportFault, TransportFaultKind};
-use crate::pull::loader::{LoadJob, LoadOutcome, Loader, LoaderConfig};
+use crate::pull::loader::{LoadJob, LoadOutcome, Loader};
 use crate::pull::{HandshakeProvider, LoadKind, PeerAddr, PullWorkerConfig};
 
 /// How much longer than a registration's window the consumer waits before it may reuse blocks.
@@ -519,33 +519,21 @@ impl KvConnectorWorker for NixlPushWorker {
             tracing::warn!(kind = f.kind.as_str(), probability = f.probability,
                 "transport fault injection is on (testing only): KV pushes will be broken on purpose");
         }
-        let agent = Arc::new(NixlAgent::new(self.config.agent.clone(), storage)?);
-        self.handshake.publish(agent.handshake()?.to_json());
-        self.loader = Some(Loader::spawn(
-            agent.clone(),
-            LoaderConfig {
-                load_timeout: self.config.load_timeout,
-                handshake_timeout: self.config.handshake_timeout,
-                kv_lease_duration: self.config.kv_lease_duration,
-                // A consumer's notifications are drained by `get_finished`, never by the thread.
-                progress_when_idle: !self.config.agent.progress_thread
-                    && !self.config.role.is_consumer(),
-            },
-            self.config.auth.clone(),
-            fault.filter(|f: &TransportFault| f.kind == TransportFaultKind::WrongBlock),
-        )?);
+        // A consumer's notifications are drained by `get_finished`, never by the thread.
+        let (agent, loader) = self.config.start(
+            storage,
+            &self.handshake,
+            Some(fault.filter(|f: &TransportFault| f.kind == TransportFaultKind::WrongBlock)),
+            !self.config.role.is_consumer(),
+        )?;
+        self.loader = loader;
         self.agent = Some(agent);
         Ok(())
     }
 
     fn start_load_kv(&mut self, metadata: &ConnectorMetadata) -> Result<(), KvConnectorError> {
-        let Some(any) = &metadata.0 else {
+        let Some(meta) = metadata.payload::<PushMetadata>()? else {
             return Ok(());
-        };
-        let Some(meta) = any.downcast_ref::<PushMetadata>() else {
-            return Err(KvConnectorError::InvalidConfig(
-                "the scheduler side sent metadata of another connector".into(),
-            ));
         };
         for spec in &meta.registrations {
             self.register(spec);

@@ -67,7 +67,8 @@ print()'
 sleep 0.3
 echo "== decode instance: KV transfer and checksum metrics"
 curl -s "http://127.0.0.1:$dport/metrics" |
-    grep -E '^tandem:(kv_transfer_(bytes|failures|refused)_total|kv_transfer_seconds_(sum|count)|kv_checksum_(loads|unverified|mismatched_blocks)_total|kv_checksum_compute_seconds_(sum|count)|kv_load_failures_total)' || true
+    grep -E '^tandem:(kv_transfer_(bytes|failures|refused)_total|kv_transfer_seconds_(sum|count)|kv_checksum_(loads|unverified|mismatched_blocks)_total|kv_checksum_compute_seconds_(sum|count)|kv_load_failures_total)' |
+    grep -vE '_(unverified|refused)_total\{.*\} 0$' || true
 echo "== prefill instance"
 curl -s "http://127.0.0.1:$pport/metrics" |
-    grep -E '^tandem:(kv_checksum_sends_total|kv_lease_expired_total|kv_cache_free_blocks|kv_cache_total_blocks) ' || true
+    grep -E '^tandem:(kv_checksum_sends_total|kv_lease_expired_total|kv_cache_free_blocks|kv_cache_total_blocks)[ {]' || true

@@ -914,17 +914,17 @@ impl Scheduler {
             let normal = kind == FinishKind::Normal;
             if let Some(checksums) = t.finish_send(id, normal, &req.external_id) {
                 let view = Self::connector_view(&req);
-                let carrier = self.connector.kv_checksum_carrier(&view, false);
-                match kv_transfer_params.as_mut().and_then(Value::as_object_mut) {
-                    _ if carrier == Some(KvChecksumCarrier::Connector) => {
+                let params = kv_transfer_params.as_mut().and_then(Value::as_object_mut);
+                match (self.connector.kv_checksum_carrier(&view, false), params) {
+                    (Some(KvChecksumCarrier::Connector), _) => {
                         self.connector.send_kv_checksums(&view, &checksums);
                         metrics::counter!(m::KV_CHECKSUM_SENDS_TOTAL).increment(1);
                     }
-                    Some(params) => {
+                    (_, Some(params)) => {
                         params.insert(KV_CHECKSUMS_PARAM.into(), Value::String(checksums));
                         metrics::counter!(m::KV_CHECKSUM_SENDS_TOTAL).increment(1);
                     }
-                    None => tracing::warn!(
+                    (_, None) => tracing::warn!(
                         request = %req.external_id,
                         "the connector carries KV checksums in kv_transfer_params but answered \
                          none: no checksums sent"

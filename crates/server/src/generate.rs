@@ -211,9 +211,9 @@ async fn full_response(
         c
     }))
     .await;
-    let results = best_of(&g, results);
+    let (results, discarded) = best_of(&g, results)?;
     let mut choices = Vec::new();
-    let (mut completion, mut cached, prompt) = (0, 0, g.total_prompt_tokens());
+    let (mut completion, mut cached, prompt) = (discarded, 0, g.total_prompt_tokens());
     let mut kv_params = Value::Null;
     let batch = g.prompts.len() > 1;
     for (i, c) in results.into_iter().enumerate() {
@@ -286,27 +286,34 @@ async fn full_response(
 }
 
 /// With `best_of`, keeps the `n` choices of each prompt with the highest cumulative logprob
-/// (best first, as vLLM orders them); the usage still counts every generated token, since they
-/// were all generated. Without, the choices as they are.
-fn best_of(g: &Generation, results: Vec<Choice>) -> Vec<Choice> {
+/// (best first, as vLLM orders them), and returns the output tokens of the others, which the
+/// usage still counts since they were generated. Without, the choices as they are. A failed
+/// sequence fails the request, kept or not.
+fn best_of(g: &Generation, results: Vec<Choice>) -> Result<(Vec<Choice>, usize), ApiError> {
     let per = g.per_prompt();
     if per == g.n {
-        return results;
+        return Ok((results, 0));
     }
     let mut out = Vec::with_capacity(g.prompts.len() * g.n);
+    let mut discarded = 0;
     let mut it = results.into_iter();
     for _ in 0..g.prompts.len() {
         let mut group: Vec<Choice> = it.by_ref().take(per).collect();
-        let unused: usize = group.iter().map(|c| c.token_ids.len()).sum();
-        group.sort_by(|a, b| b.cumulative_logprob().total_cmp(&a.cumulative_logprob()));
-        let kept: usize = group.iter().take(g.n).map(|c| c.token_ids.len()).sum();
-        let mut group: Vec<Choice> = group.into_iter().take(g.n).collect();
-        if let Some(f) = group.first_mut().and_then(|c| c.finish.as_mut()) {
-            f.num_output_tokens += unused - kept;
+        for c in &group {
+            if let Some(e) = c.finish.as_ref().and_then(|f| f.error.clone()) {
+                return Err(ApiError::Engine(e));
+            }
         }
+        group.sort_by(|a, b| b.cumulative_logprob().total_cmp(&a.cumulative_logprob()));
+        discarded += group[g.n.min(group.len())..]
+            .iter()
+            .filter_map(|c| c.finish.as_ref())
+            .map(|f| f.num_output_tokens)
+            .sum::<usize>();
+        group.truncate(g.n);
         out.extend(group);
     }
-    out
+    Ok((out, discarded))
 }
 
 impl Choice {

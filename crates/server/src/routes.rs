@@ -13,6 +13,7 @@ use serde_json::json;
 use tandem_engine::SamplingParams;
 
 use tandem_kv_connector::auth::KV_AUTH_HEADER;
+use tandem_kv_connector::params::TransferRequest;
 use tandem_kv_connector::pull::{ReleaseOutcome, CLAIM_PATH, HANDSHAKE_PATH, RELEASE_PATH};
 use tandem_kv_connector::push::REGISTER_PATH;
 use tandem_kv_connector::KvConnectorError;
@@ -324,11 +325,15 @@ async fn completions(
     crate::fields::check_extra_fields(&req.common.extra)?;
     let n = check_n(&req.common)?;
     check_transfer_params(&state, &req.common)?;
-    let texts: Vec<(Option<String>, Option<Vec<u32>>)> = match req.prompt {
-        PromptInput::Text(t) => vec![(Some(t), None)],
-        PromptInput::Tokens(ids) => vec![(None, Some(ids))],
-        PromptInput::TextBatch(v) => v.into_iter().map(|t| (Some(t), None)).collect(),
-        PromptInput::TokensBatch(v) => v.into_iter().map(|ids| (None, Some(ids))).collect(),
+    enum Source {
+        Text(String),
+        Ids(Vec<u32>),
+    }
+    let texts: Vec<Source> = match req.prompt {
+        PromptInput::Text(t) => vec![Source::Text(t)],
+        PromptInput::Tokens(ids) => vec![Source::Ids(ids)],
+        PromptInput::TextBatch(v) => v.into_iter().map(Source::Text).collect(),
+        PromptInput::TokensBatch(v) => v.into_iter().map(Source::Ids).collect(),
     };
     if texts.is_empty() {
         return Err(ApiError::bad_request(
@@ -366,11 +371,10 @@ async fn completions(
         ));
     }
     let mut prompts = Vec::with_capacity(texts.len());
-    for (text, ids) in texts {
-        let ids = match (&text, ids) {
-            (_, Some(ids)) => ids,
-            (Some(t), None) => encode(&state, t)?,
-            (None, None) => unreachable!("built above with one of the two"),
+    for prompt in texts {
+        let (ids, text) = match prompt {
+            Source::Text(t) => (encode(&state, &t)?, Some(t)),
+            Source::Ids(ids) => (ids, None),
         };
         let params = sampling_params(
             &state,
@@ -392,16 +396,12 @@ async fn completions(
 /// Most engine requests one API request may make (prompts x `n`).
 const MAX_CHOICES: usize = 128;
 
-/// Whether `kv_transfer_params` ask for nothing P/D (absent, null, or both flags unset).
+/// Whether `kv_transfer_params` ask for nothing P/D (the connector's own classification).
 fn is_local(params: &Option<serde_json::Value>) -> bool {
-    let flag = |k: &str| {
-        params
-            .as_ref()
-            .and_then(|p| p.get(k))
-            .and_then(serde_json::Value::as_bool)
-            .unwrap_or(false)
-    };
-    !flag("do_remote_decode") && !flag("do_remote_prefill")
+    matches!(
+        TransferRequest::parse(params.as_ref(), 0, 1),
+        Ok(TransferRequest::Local)
+    )
 }
 
 /// The engine-ready form of a validated request, from the fields both endpoints share.

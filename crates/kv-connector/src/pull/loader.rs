@@ -513,7 +513,7 @@ impl LoaderThread {
             self.fail(&job, "a READ without the params to claim its lease".into());
             return;
         };
-        if job.kind == LoadKind::Register {
+        let (path, what, auth_header) = if job.kind == LoadKind::Register {
             let (ours, theirs) = (self.agent.block_size(), self.agent.peer_block_size(&name));
             if let Some(theirs) = theirs.filter(|t| !t.is_multiple_of(ours)) {
                 let reason = format!(
@@ -524,15 +524,11 @@ impl LoaderThread {
                 self.fail(&job, reason);
                 return;
             }
-        }
-        let (path, auth_header) = if job.kind == LoadKind::Register {
             let path = crate::push::REGISTER_PATH;
-            (
-                path,
-                self.auth.as_ref().map(|a| a.sign_request("POST", path)),
-            )
+            let signed = self.auth.as_ref().map(|a| a.sign_request("POST", path));
+            (path, "the push registration", signed)
         } else {
-            (super::access::CLAIM_PATH, None)
+            (super::access::CLAIM_PATH, "the lease claim", None)
         };
         let client = match self.client() {
             Ok(c) => c,
@@ -551,7 +547,7 @@ impl LoaderThread {
             .spawn({
                 let slot = slot.clone();
                 move || {
-                    let answer = post_json(&client, &url, body, auth_header.as_deref());
+                    let answer = post_json(&client, &url, what, body, auth_header.as_deref());
                     let taken = slot.lock().ok().and_then(|mut s| s.take());
                     if let Some((job, name)) = taken {
                         let _ = tx.send(Msg::Claimed(Box::new((job, name, answer))));
@@ -786,11 +782,12 @@ impl LoaderThread {
     }
 }
 
-/// `POST url` with a JSON body (a claim, or a push registration, signed with `auth_header`) →
-/// granted, or the peer's reason.
+/// `POST url` with a JSON body (`what`: a claim, or a push registration signed with
+/// `auth_header`) → granted, or the peer's reason.
 fn post_json(
     client: &reqwest::blocking::Client,
     url: &str,
+    what: &str,
     body: String,
     auth_header: Option<&str>,
 ) -> Result<(), PostError> {
@@ -815,11 +812,6 @@ fn post_json(
         .ok()
         .and_then(|v| v["error"]["message"].as_str().map(str::to_string))
         .unwrap_or(text);
-    let what = if url.ends_with(super::access::CLAIM_PATH) {
-        "the lease claim"
-    } else {
-        "the push registration"
-    };
     Err(PostError::undelivered(format!(
         "the producer refused {what} (HTTP {status}): {reason}"
     )))

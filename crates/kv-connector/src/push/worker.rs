@@ -194,14 +194,19 @@ impl NixlPushWorker {
                 .insert(spec.registration.transfer_id.clone(), spec.request_id);
         }
         if !self.submit(job) && !release {
-            let mut out = std::mem::take(&mut self.pending);
             let reason = format!(
                 "this instance ({}) does not load KV (or its caches are not registered)",
                 self.config.role.as_str()
             );
-            self.end_load(&mut out, spec.request_id, Some(reason));
-            self.pending = out;
+            self.fail_load_now(spec.request_id, reason);
         }
+    }
+
+    /// Fails a load from `start_load_kv`: reported at the next `get_finished`.
+    fn fail_load_now(&mut self, request_id: u64, reason: String) {
+        let mut out = std::mem::take(&mut self.pending);
+        self.end_load(&mut out, request_id, Some(reason));
+        self.pending = out;
     }
 
     fn registered(
@@ -339,13 +344,14 @@ impl NixlPushWorker {
             .agent
             .as_ref()
             .map_or(reg.block_size, |a| a.block_size());
-        let ratio = ours / reg.block_size.max(1);
+        // `block_size` >= 1: registrations are validated when they arrive.
+        let ratio = ours / reg.block_size;
         let refusal = if reg.num_tokens != spec.num_tokens {
             Some(format!(
                 "the consumer's prompt has {} tokens, the producer's {}: not the same request",
                 reg.num_tokens, spec.num_tokens
             ))
-        } else if ratio == 0 || !ours.is_multiple_of(reg.block_size) {
+        } else if !ours.is_multiple_of(reg.block_size) {
             Some(format!(
                 "the consumer's block size {} does not divide the producer's {ours}: in push mode \
                  the producer's blocks must be a multiple of the consumer's",
@@ -539,9 +545,7 @@ impl KvConnectorWorker for NixlPushWorker {
             self.register(spec);
         }
         for (id, reason) in &meta.rejected {
-            let mut out = std::mem::take(&mut self.pending);
-            self.end_load(&mut out, *id, Some(reason.clone()));
-            self.pending = out;
+            self.fail_load_now(*id, reason.clone());
         }
         for &id in &meta.cancelled_loads {
             match self.loads.get_mut(&id) {

@@ -128,7 +128,7 @@ fn main() {
         )
         .expect("load");
         let load_s = t.elapsed().as_secs_f64();
-        let model = m.model.as_ref();
+        let model = m.model();
         let per_seq_blocks = (PROMPT_LEN + steps + 1).div_ceil(BLOCK);
         let kv = KvStorage::new(&KvCacheConfig {
             num_blocks: per_seq_blocks * (BATCH + 1),

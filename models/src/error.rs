@@ -32,6 +32,9 @@ pub enum ModelError {
     Candle(#[from] candle_core::Error),
     #[error(transparent)]
     KvCache(#[from] tandem_kv_cache::KvCacheError),
+    /// A layout the model cannot be split into, or a collective that failed in a step.
+    #[error("parallel: {0}")]
+    Parallel(#[from] tandem_parallel::ParallelError),
 }
 
 impl ModelError {

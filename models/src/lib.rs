@@ -8,7 +8,7 @@
 //! - [`attention`]: CPU paged attention over [`tandem_kv_cache::KvStorage`].
 //! - [`ops`]: RMSNorm, RoPE, SwiGLU and small vector kernels.
 //! - [`weights`]: weight modes and matrices ([`WeightMode`]); `q4_1`: our batched Q4_1 matmul.
-//! - [`gguf`], `hf`: file formats.
+//! - [`gguf`], `hf`: file formats; `dummy`: random weights of a config's shapes.
 //! - [`tokenizer`], [`chat_template`]: text in and out.
 //!
 //! Invariant across the crate: the model never owns KV state; everything a sequence has seen
@@ -17,6 +17,7 @@
 
 pub mod attention;
 pub mod chat_template;
+mod dummy;
 pub mod error;
 pub mod gguf;
 mod hf;
@@ -31,8 +32,9 @@ pub mod weights;
 pub use chat_template::{ChatMessage, ChatTemplate};
 pub use error::ModelError;
 pub use loader::{
-    load_model, load_tokenizer, resolve_model, LoadOptions, LoadedModel, ModelSource,
+    load_model, load_tokenizer, resolve_model, LoadFormat, LoadOptions, LoadedModel, ModelSource,
 };
 pub use model::{CausalLm, ForwardBatch, ModelInfo, SeqBatch};
+pub use tandem_parallel::{ParallelConfig, RankId};
 pub use tokenizer::{IncrementalDetokenizer, TextTokenizer};
 pub use weights::WeightMode;

@@ -5,13 +5,24 @@
 //! whatever the file format, in HF layout. Q, K and V are fused into one matrix, as are gate and
 //! up, so a step runs four matmuls per layer over all tokens of the batch.
 //!
-//! Invariants: storage layer `i` is model layer `i` (named `model.layers.{i}.self_attn`); every
-//! token's K and V are written to its slot before that layer's attention reads the cache; a
-//! token's logits depend only on its own sequence (all ops are row-independent), so continuous
-//! batching does not change them.
+//! A [`Llama`] is the whole model or one rank's shard of it ([`LlamaWeights::shard`]): with
+//! tensor parallelism each rank holds its attention heads, KV heads and MLP slice, and sums the
+//! row-parallel projections (attention output, down) over its TP group; with pipeline parallelism
+//! each stage holds a contiguous run of layers and hands its hidden states to the next stage. The
+//! last stage's ranks hold the output layer split by vocabulary rows and gather the logits.
+//!
+//! Invariants: storage layer `j` of a shard is model layer `layer_range.start + j` (named
+//! `model.layers.{i}.self_attn` with the global `i`); every token's K and V are written to its
+//! slot before that layer's attention reads the cache; a token's logits depend only on its own
+//! sequence (all ops are row-independent), so continuous batching does not change them; a rank
+//! whose forward fails aborts its collectives, so no other rank waits for it.
+
+use std::ops::Range;
+use std::sync::Arc;
 
 use rayon::prelude::*;
 use tandem_kv_cache::{CacheDtype, KvCacheGroup, KvCacheSpec, KvStorage};
+use tandem_parallel::{Collectives, ParallelConfig, RankId};
 
 use crate::attention::{paged_attention, AttentionParams, LayerCache};
 use crate::error::ModelError;
@@ -207,82 +218,34 @@ impl LlamaConfig {
     }
 }
 
-struct Layer {
+/// One layer's weights as read from the file, before sharding.
+struct RawLayer {
     attn_norm: Vec<f32>,
-    /// Rows: Q (`num_heads * head_dim`), K, V (`num_kv_heads * head_dim` each).
-    qkv: Linear,
-    o: Linear,
     ffn_norm: Vec<f32>,
-    /// Rows: gate, up (`intermediate_size` each).
-    gate_up: Linear,
-    down: Linear,
+    q: HostMatrix,
+    k: HostMatrix,
+    v: HostMatrix,
+    o: HostMatrix,
+    gate: HostMatrix,
+    up: HostMatrix,
+    down: HostMatrix,
 }
 
-/// A Llama-family model on the paged KV cache.
-pub struct Llama {
+/// A Llama-family model's weights as read from the file: what every rank's shard is cut from.
+pub(crate) struct LlamaWeights {
     cfg: LlamaConfig,
-    info: ModelInfo,
-    /// The token embedding table (shared with `lm_head` when tied).
-    embed: Linear,
-    layers: Vec<Layer>,
+    layers: Vec<RawLayer>,
+    embed: HostMatrix,
+    /// `None` when the output layer is tied to the embedding.
+    head: Option<HostMatrix>,
     norm: Vec<f32>,
-    lm_head: Linear,
-    rope: RopeTable,
-    attn: AttentionParams,
 }
 
-impl std::fmt::Debug for Llama {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Llama").field("info", &self.info).finish()
-    }
-}
-
-/// The layer name the KV cache (and the checksum) uses for layer `i`.
-pub fn layer_name(i: usize) -> String {
-    format!("model.layers.{i}.self_attn")
-}
-
-impl Llama {
-    pub(crate) fn load(
-        src: &mut dyn WeightSource,
-        cfg: LlamaConfig,
-        mode: WeightMode,
-    ) -> Result<Self, ModelError> {
+impl LlamaWeights {
+    /// Reads every tensor of the model and checks its shape against `cfg`.
+    pub(crate) fn read(src: &mut dyn WeightSource, cfg: LlamaConfig) -> Result<Self, ModelError> {
         cfg.validate()?;
-        // Read everything first (sequential I/O), then convert the matrices in parallel.
-        struct Raw {
-            attn_norm: Vec<f32>,
-            ffn_norm: Vec<f32>,
-            qkv: HostMatrix,
-            o: HostMatrix,
-            gate_up: HostMatrix,
-            down: HostMatrix,
-        }
-        let mut raw = Vec::with_capacity(cfg.num_layers);
-        for i in 0..cfg.num_layers {
-            let n = |s: &str| format!("blk.{i}.{s}.weight");
-            let q = src.matrix(&n("attn_q"), Some(cfg.num_heads))?;
-            let k = src.matrix(&n("attn_k"), Some(cfg.num_kv_heads))?;
-            let v = src.matrix(&n("attn_v"), None)?;
-            let gate = src.matrix(&n("ffn_gate"), None)?;
-            let up = src.matrix(&n("ffn_up"), None)?;
-            raw.push(Raw {
-                attn_norm: src.vector(&n("attn_norm"))?,
-                ffn_norm: src.vector(&n("ffn_norm"))?,
-                qkv: HostMatrix::concat_rows(&[q, k, v])?,
-                o: src.matrix(&n("attn_output"), None)?,
-                gate_up: HostMatrix::concat_rows(&[gate, up])?,
-                down: src.matrix(&n("ffn_down"), None)?,
-            });
-        }
-        let embed_m = src.matrix("token_embd.weight", None)?;
-        let head_m = if src.has("output.weight") {
-            Some(src.matrix("output.weight", None)?)
-        } else {
-            None
-        };
-        let norm = src.vector("output_norm.weight")?;
-
+        let (h, inter) = (cfg.hidden_size, cfg.intermediate_size);
         let (qd, kvd) = (
             cfg.num_heads * cfg.head_dim,
             cfg.num_kv_heads * cfg.head_dim,
@@ -297,35 +260,113 @@ impl Llama {
                 )))
             }
         };
-        let (h, inter) = (cfg.hidden_size, cfg.intermediate_size);
-        for (i, r) in raw.iter().enumerate() {
-            check(&r.qkv, qd + 2 * kvd, h, &format!("layer {i} qkv"))?;
-            check(&r.o, h, qd, &format!("layer {i} attn_output"))?;
-            check(&r.gate_up, 2 * inter, h, &format!("layer {i} gate/up"))?;
-            check(&r.down, h, inter, &format!("layer {i} ffn_down"))?;
+        let mut layers = Vec::with_capacity(cfg.num_layers);
+        for i in 0..cfg.num_layers {
+            let n = |s: &str| format!("blk.{i}.{s}.weight");
+            let l = RawLayer {
+                attn_norm: src.vector(&n("attn_norm"))?,
+                ffn_norm: src.vector(&n("ffn_norm"))?,
+                q: src.matrix(&n("attn_q"), Some(cfg.num_heads))?,
+                k: src.matrix(&n("attn_k"), Some(cfg.num_kv_heads))?,
+                v: src.matrix(&n("attn_v"), None)?,
+                o: src.matrix(&n("attn_output"), None)?,
+                gate: src.matrix(&n("ffn_gate"), None)?,
+                up: src.matrix(&n("ffn_up"), None)?,
+                down: src.matrix(&n("ffn_down"), None)?,
+            };
+            check(&l.q, qd, h, &format!("layer {i} attn_q"))?;
+            check(&l.k, kvd, h, &format!("layer {i} attn_k"))?;
+            check(&l.v, kvd, h, &format!("layer {i} attn_v"))?;
+            check(&l.o, h, qd, &format!("layer {i} attn_output"))?;
+            check(&l.gate, inter, h, &format!("layer {i} ffn_gate"))?;
+            check(&l.up, inter, h, &format!("layer {i} ffn_up"))?;
+            check(&l.down, h, inter, &format!("layer {i} ffn_down"))?;
+            layers.push(l);
         }
-        check(&embed_m, cfg.vocab_size, h, "token_embd")?;
+        let embed = src.matrix("token_embd.weight", None)?;
+        check(&embed, cfg.vocab_size, h, "token_embd")?;
+        let head = if src.has("output.weight") {
+            let m = src.matrix("output.weight", None)?;
+            check(&m, cfg.vocab_size, h, "output")?;
+            Some(m)
+        } else {
+            None
+        };
+        let norm = src.vector("output_norm.weight")?;
+        Ok(LlamaWeights {
+            cfg,
+            layers,
+            embed,
+            head,
+            norm,
+        })
+    }
 
-        let layers = raw
-            .into_par_iter()
+    /// The shard of the rank `comm` stands for: its stage's layers, its attention heads and KV
+    /// heads (column-parallel Q/K/V, row-parallel output projection), its slice of the MLP
+    /// (column-parallel gate/up, row-parallel down), the embedding on the first stage, the final
+    /// norm and its rows of the output layer (vocab-parallel) on the last.
+    pub(crate) fn shard(
+        &self,
+        mode: WeightMode,
+        comm: Arc<dyn Collectives>,
+    ) -> Result<Llama, ModelError> {
+        let cfg = &self.cfg;
+        let (par, rank) = (comm.config(), comm.rank());
+        par.check_model(
+            cfg.num_layers,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.intermediate_size,
+        )?;
+        let hd = cfg.head_dim;
+        let heads = par.split(cfg.num_heads, rank.tp_rank, "the number of attention heads")?;
+        let kv = par.kv_heads(cfg.num_kv_heads, rank.tp_rank)?;
+        let kv_rows = kv.first * hd..(kv.first + kv.count) * hd;
+        let q_rows = heads.start * hd..heads.end * hd;
+        let inter = par.split(cfg.intermediate_size, rank.tp_rank, "intermediate_size")?;
+        let layer_range = par.layers(cfg.num_layers, rank.pp_rank);
+        let layers = self.layers[layer_range.clone()]
+            .par_iter()
             .map(|r| {
                 Ok(Layer {
-                    attn_norm: r.attn_norm,
-                    qkv: r.qkv.into_linear(mode)?,
-                    o: r.o.into_linear(mode)?,
-                    ffn_norm: r.ffn_norm,
-                    gate_up: r.gate_up.into_linear(mode)?,
-                    down: r.down.into_linear(mode)?,
+                    attn_norm: r.attn_norm.clone(),
+                    qkv: HostMatrix::concat_rows(&[
+                        r.q.slice_rows(q_rows.clone()),
+                        r.k.slice_rows(kv_rows.clone()),
+                        r.v.slice_rows(kv_rows.clone()),
+                    ])?
+                    .into_linear(mode)?,
+                    o: r.o.slice_cols(q_rows.clone())?.into_linear(mode)?,
+                    ffn_norm: r.ffn_norm.clone(),
+                    gate_up: HostMatrix::concat_rows(&[
+                        r.gate.slice_rows(inter.clone()),
+                        r.up.slice_rows(inter.clone()),
+                    ])?
+                    .into_linear(mode)?,
+                    down: r.down.slice_cols(inter.clone())?.into_linear(mode)?,
                 })
             })
             .collect::<Result<Vec<_>, ModelError>>()?;
-        let embed = embed_m.into_linear(mode)?;
-        let (lm_head, tied) = match head_m {
-            Some(m) => {
-                check(&m, cfg.vocab_size, h, "output")?;
-                (m.into_linear(mode)?, false)
-            }
-            None => (embed.clone(), true),
+        let first_stage = rank.pp_rank == 0;
+        let last_stage = rank.pp_rank + 1 == par.pp;
+        let embed = first_stage
+            .then(|| self.embed.clone().into_linear(mode))
+            .transpose()?;
+        let vocab_rows = par.vocab_rows(cfg.vocab_size, rank.tp_rank);
+        let whole_vocab = vocab_rows.len() == cfg.vocab_size;
+        let lm_head = if !last_stage {
+            None
+        } else {
+            Some(match (&self.head, &embed) {
+                // tied and held whole by this rank already: share the embedding's matrix
+                (None, Some(e)) if whole_vocab => e.clone(),
+                (None, _) => self
+                    .embed
+                    .slice_rows(vocab_rows.clone())
+                    .into_linear(mode)?,
+                (Some(m), _) => m.slice_rows(vocab_rows.clone()).into_linear(mode)?,
+            })
         };
         let rope = RopeTable::new(
             cfg.rope_theta,
@@ -343,9 +384,12 @@ impl Llama {
                     + 4 * (l.attn_norm.len() + l.ffn_norm.len())
             })
             .sum::<usize>()
-            + lm_head.bytes()
-            + if tied { 0 } else { embed.bytes() }
-            + 4 * norm.len();
+            + lm_head.as_ref().map_or(0, |m| m.bytes())
+            + match (&embed, self.head.is_none() && whole_vocab && last_stage) {
+                (Some(e), false) => e.bytes(),
+                _ => 0,
+            }
+            + 4 * self.norm.len();
         let info = ModelInfo {
             architecture: "llama".into(),
             num_layers: cfg.num_layers,
@@ -358,59 +402,90 @@ impl Llama {
             max_position_embeddings: cfg.max_position_embeddings,
             rope_theta: cfg.rope_theta,
             rms_norm_eps: cfg.rms_norm_eps,
-            tie_word_embeddings: tied,
+            tie_word_embeddings: self.head.is_none(),
             weight_mode: mode,
             weight_bytes,
         };
         let attn = AttentionParams {
-            num_heads: cfg.num_heads,
-            num_kv_heads: cfg.num_kv_heads,
-            head_dim: cfg.head_dim,
-            scale: 1.0 / (cfg.head_dim as f32).sqrt(),
+            num_heads: heads.len(),
+            num_kv_heads: kv.count,
+            head_dim: hd,
+            scale: 1.0 / (hd as f32).sqrt(),
             window: None,
         };
         Ok(Llama {
-            cfg,
+            cfg: cfg.clone(),
             info,
             embed,
             layers,
-            norm,
+            layer_range,
+            norm: self.norm.clone(),
             lm_head,
             rope,
             attn,
+            comm,
         })
-    }
-
-    pub fn config(&self) -> &LlamaConfig {
-        &self.cfg
     }
 }
 
-impl CausalLm for Llama {
-    fn info(&self) -> &ModelInfo {
-        &self.info
+struct Layer {
+    attn_norm: Vec<f32>,
+    /// Rows: this rank's Q heads, then its K and V heads (`head_dim` rows each).
+    qkv: Linear,
+    /// Columns: this rank's Q heads (row-parallel: outputs are summed over TP).
+    o: Linear,
+    ffn_norm: Vec<f32>,
+    /// Rows: this rank's slice of gate, then of up.
+    gate_up: Linear,
+    /// Columns: this rank's slice of the MLP width (row-parallel).
+    down: Linear,
+}
+
+/// A Llama-family model on the paged KV cache: the whole model (TP 1, PP 1) or one rank's shard.
+pub struct Llama {
+    cfg: LlamaConfig,
+    info: ModelInfo,
+    /// The token embedding table, on the first stage.
+    embed: Option<Linear>,
+    layers: Vec<Layer>,
+    /// The model layers this shard runs (storage layer `j` is model layer `start + j`).
+    layer_range: Range<usize>,
+    norm: Vec<f32>,
+    /// This rank's rows of the output layer, on the last stage.
+    lm_head: Option<Linear>,
+    rope: RopeTable,
+    /// This rank's heads.
+    attn: AttentionParams,
+    comm: Arc<dyn Collectives>,
+}
+
+impl std::fmt::Debug for Llama {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Llama")
+            .field("info", &self.info)
+            .field("rank", &self.comm.rank())
+            .finish()
+    }
+}
+
+/// The layer name the KV cache (and the checksum) uses for layer `i`.
+pub fn layer_name(i: usize) -> String {
+    format!("model.layers.{i}.self_attn")
+}
+
+impl Llama {
+    pub fn config(&self) -> &LlamaConfig {
+        &self.cfg
     }
 
-    fn kv_cache_groups(&self, block_size: usize, dtype: CacheDtype) -> Vec<KvCacheGroup> {
-        vec![KvCacheGroup {
-            group_id: 0,
-            spec: KvCacheSpec::FullAttention {
-                block_size,
-                num_kv_heads: self.cfg.num_kv_heads,
-                head_dim: self.cfg.head_dim,
-                dtype,
-            },
-            layer_names: (0..self.cfg.num_layers).map(layer_name).collect(),
-        }]
-    }
-
-    fn forward(&self, batch: &ForwardBatch, kv: &KvStorage) -> Result<Vec<f32>, ModelError> {
+    /// The step's work; on error the caller aborts the collectives (see `forward`).
+    fn run(&self, batch: &ForwardBatch, kv: &KvStorage) -> Result<Vec<f32>, ModelError> {
         let c = &self.cfg;
-        if kv.num_layers() < c.num_layers {
+        if kv.num_layers() < self.layers.len() {
             return Err(ModelError::InvalidBatch(format!(
-                "the KV cache has {} layers, the model {}",
+                "the KV cache has {} layers, this shard {}",
                 kv.num_layers(),
-                c.num_layers
+                self.layers.len()
             )));
         }
         let block_size = kv.layout(0).block_size;
@@ -419,13 +494,29 @@ impl CausalLm for Llama {
         if t == 0 {
             return Ok(Vec::new());
         }
-        let (qd, kvd) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
+        let h = c.hidden_size;
+        let (qd, kvd) = (
+            self.attn.num_heads * c.head_dim,
+            self.attn.num_kv_heads * c.head_dim,
+        );
         let eps = c.rms_norm_eps;
 
-        let mut x = self.embed.rows(batch.token_ids)?;
+        let mut x = match &self.embed {
+            Some(embed) => embed.rows(batch.token_ids)?,
+            None => {
+                let x = self.comm.recv_from_prev_stage()?;
+                if x.len() != t * h {
+                    return Err(ModelError::InvalidBatch(format!(
+                        "the previous stage handed over {} values for {t} tokens",
+                        x.len()
+                    )));
+                }
+                x
+            }
+        };
         for (l, layer) in self.layers.iter().enumerate() {
-            let h = rms_norm_to(&x, &layer.attn_norm, eps);
-            let qkv = layer.qkv.forward(&h, t)?;
+            let hn = rms_norm_to(&x, &layer.attn_norm, eps);
+            let qkv = layer.qkv.forward(&hn, t)?;
             let mut q = Vec::with_capacity(t * qd);
             let mut k = Vec::with_capacity(t * kvd);
             let mut v = Vec::with_capacity(t * kvd);
@@ -439,17 +530,81 @@ impl CausalLm for Llama {
             kv.write_slots(l, batch.slot_mapping, &k, &v)?;
             let attn =
                 paged_attention(&q, batch.seqs, LayerCache::from_storage(kv, l)?, &self.attn)?;
-            add_assign(&mut x, &layer.o.forward(&attn, t)?);
-            let h = rms_norm_to(&x, &layer.ffn_norm, eps);
-            let act = silu_mul(&layer.gate_up.forward(&h, t)?, c.intermediate_size);
-            add_assign(&mut x, &layer.down.forward(&act, t)?);
+            let mut o = layer.o.forward(&attn, t)?;
+            self.comm.all_reduce_sum(&mut o)?;
+            add_assign(&mut x, &o);
+            let hn = rms_norm_to(&x, &layer.ffn_norm, eps);
+            let act = silu_mul(&layer.gate_up.forward(&hn, t)?, self.mlp_width());
+            let mut d = layer.down.forward(&act, t)?;
+            self.comm.all_reduce_sum(&mut d)?;
+            add_assign(&mut x, &d);
         }
+        let Some(lm_head) = &self.lm_head else {
+            self.comm.send_to_next_stage(x)?;
+            return Ok(Vec::new());
+        };
         let n = batch.logits_indices.len();
-        let mut last = Vec::with_capacity(n * c.hidden_size);
+        let mut last = Vec::with_capacity(n * h);
         for &r in batch.logits_indices {
-            last.extend_from_slice(&x[r * c.hidden_size..(r + 1) * c.hidden_size]);
+            last.extend_from_slice(&x[r * h..(r + 1) * h]);
         }
         rms_norm(&mut last, &self.norm, eps);
-        self.lm_head.forward(&last, n)
+        let local = lm_head.forward(&last, n)?;
+        if self.comm.config().tp == 1 || n == 0 {
+            return Ok(local);
+        }
+        let parts = self.comm.all_gather(&local)?;
+        let mut logits = Vec::with_capacity(n * c.vocab_size);
+        for row in 0..n {
+            for p in &parts {
+                let w = p.len() / n;
+                logits.extend_from_slice(&p[row * w..(row + 1) * w]);
+            }
+        }
+        if logits.len() != n * c.vocab_size {
+            return Err(ModelError::InvalidBatch(format!(
+                "gathered {} logits for {n} rows of {}",
+                logits.len(),
+                c.vocab_size
+            )));
+        }
+        Ok(logits)
+    }
+
+    /// This rank's slice of the MLP width.
+    fn mlp_width(&self) -> usize {
+        self.cfg.intermediate_size / self.comm.config().tp
+    }
+}
+
+impl CausalLm for Llama {
+    fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    fn kv_cache_groups(&self, block_size: usize, dtype: CacheDtype) -> Vec<KvCacheGroup> {
+        vec![KvCacheGroup {
+            group_id: 0,
+            spec: KvCacheSpec::FullAttention {
+                block_size,
+                num_kv_heads: self.attn.num_kv_heads,
+                head_dim: self.cfg.head_dim,
+                dtype,
+            },
+            layer_names: self.layer_range.clone().map(layer_name).collect(),
+        }]
+    }
+
+    fn forward(&self, batch: &ForwardBatch, kv: &KvStorage) -> Result<Vec<f32>, ModelError> {
+        let out = self.run(batch, kv);
+        if let Err(e) = &out {
+            // the other ranks may wait for this one inside a collective: release them
+            self.comm.abort(&e.to_string());
+        }
+        out
+    }
+
+    fn parallel_rank(&self) -> (ParallelConfig, RankId) {
+        (self.comm.config(), self.comm.rank())
     }
 }

@@ -15,12 +15,16 @@
 //! where it looked.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
+use tandem_parallel::{Collectives, CpuWorld, ParallelConfig, SingleRank};
+
+use crate::dummy::DummySource;
 use crate::error::ModelError;
 use crate::gguf::{is_gguf, GgufFile};
 use crate::hf::SafetensorsSource;
-use crate::llama::{Llama, LlamaConfig};
+use crate::llama::{LlamaConfig, LlamaWeights};
 use crate::model::{CausalLm, ModelInfo};
 use crate::tokenizer::TextTokenizer;
 use crate::weights::WeightMode;
@@ -31,6 +35,17 @@ pub const EMBEDDED_MODELS: &[(&str, &str)] = &[("smollm2-135m", "SmolLM2-135M-In
 /// The environment variable naming the model cache directory.
 pub const MODEL_DIR_ENV: &str = "TANDEM_MODEL_DIR";
 
+/// Where weights come from (`--load-format`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum LoadFormat {
+    /// The model the spec resolves to (GGUF or safetensors).
+    #[default]
+    Auto,
+    /// Deterministic random weights of the shapes of an HF-style `config.json` (`--model-config`),
+    /// with a byte-level tokenizer: see [`crate::dummy`]. The spec is only the model's name.
+    Dummy { config: PathBuf },
+}
+
 /// How to load a model.
 #[derive(Debug, Clone, Default)]
 pub struct LoadOptions {
@@ -38,6 +53,9 @@ pub struct LoadOptions {
     pub weights: WeightMode,
     /// The model cache directory; `None` resolves it as the module docs say.
     pub model_dir: Option<PathBuf>,
+    pub format: LoadFormat,
+    /// Tensor- and pipeline-parallel sizes: one shard per rank.
+    pub parallel: ParallelConfig,
 }
 
 /// A loaded model with everything the engine and server need.
@@ -45,11 +63,24 @@ pub struct LoadedModel {
     /// The name the server reports (`/v1/models`): the spec for named models and HF ids,
     /// the file stem or directory name for paths.
     pub name: String,
-    pub model: Box<dyn CausalLm>,
+    /// One shard per rank, in worker-index order (`pp_rank * tp + tp_rank`); one whole model
+    /// for TP 1, PP 1.
+    pub ranks: Vec<Box<dyn CausalLm>>,
+    /// The shared-memory world the ranks' collectives run over (TP or PP above 1): its owner
+    /// resets it between steps after a rank failed.
+    pub world: Option<CpuWorld>,
     pub tokenizer: TextTokenizer,
+    /// The whole model's shape (with rank 0's `weight_bytes`).
     pub info: ModelInfo,
-    /// The file or directory the model was loaded from.
+    /// The file or directory the model was loaded from (the config file for dummy weights).
     pub path: PathBuf,
+}
+
+impl LoadedModel {
+    /// The first rank's model: the whole model when TP and PP are 1.
+    pub fn model(&self) -> &dyn CausalLm {
+        self.ranks[0].as_ref()
+    }
 }
 
 impl std::fmt::Debug for LoadedModel {
@@ -224,45 +255,79 @@ pub fn resolve_model(spec: &str, opts: &LoadOptions) -> Result<(String, ModelSou
     )))
 }
 
-/// Resolves and loads a model: weights in `opts.weights` mode, tokenizer and chat template.
+/// Resolves and loads a model: weights in `opts.weights` mode, one shard per rank of
+/// `opts.parallel`, tokenizer and chat template.
 pub fn load_model(spec: &str, opts: &LoadOptions) -> Result<LoadedModel, ModelError> {
-    let (name, source) = resolve_model(spec, opts)?;
     let start = Instant::now();
-    let (model, tokenizer): (Box<dyn CausalLm>, TextTokenizer) = match &source {
-        ModelSource::Gguf(path) => {
-            let mut g = GgufFile::open(path)?;
-            let cfg = LlamaConfig::from_gguf(&mut g)?;
-            let tokenizer = TextTokenizer::from_gguf(&g)?;
-            (Box::new(Llama::load(&mut g, cfg, opts.weights)?), tokenizer)
+    let (name, path, weights, tokenizer) = match &opts.format {
+        LoadFormat::Dummy { config } => {
+            let cfg = dummy_config(config)?;
+            let tokenizer = TextTokenizer::byte_level(cfg.vocab_size)?;
+            let weights = LlamaWeights::read(&mut DummySource::new(&cfg), cfg)?;
+            (spec.to_owned(), config.clone(), weights, tokenizer)
         }
-        ModelSource::HfDir(dir) => {
-            let cfg = hf_config(dir)?;
-            let tokenizer = TextTokenizer::from_hf_dir(dir)?;
-            let mut src = SafetensorsSource::open(dir)?;
-            (
-                Box::new(Llama::load(&mut src, cfg, opts.weights)?),
-                tokenizer,
-            )
+        LoadFormat::Auto => {
+            let (name, source) = resolve_model(spec, opts)?;
+            let (weights, tokenizer) = match &source {
+                ModelSource::Gguf(path) => {
+                    let mut g = GgufFile::open(path)?;
+                    let cfg = LlamaConfig::from_gguf(&mut g)?;
+                    let tokenizer = TextTokenizer::from_gguf(&g)?;
+                    (LlamaWeights::read(&mut g, cfg)?, tokenizer)
+                }
+                ModelSource::HfDir(dir) => {
+                    let cfg = hf_config(dir)?;
+                    let tokenizer = TextTokenizer::from_hf_dir(dir)?;
+                    let mut src = SafetensorsSource::open(dir)?;
+                    (LlamaWeights::read(&mut src, cfg)?, tokenizer)
+                }
+            };
+            (name, source.path().to_owned(), weights, tokenizer)
         }
     };
-    let info = model.info().clone();
+    let (comms, world): (Vec<Arc<dyn Collectives>>, _) = if opts.parallel.is_single() {
+        (vec![Arc::new(SingleRank)], None)
+    } else {
+        let world = CpuWorld::new(opts.parallel);
+        (world.ranks(), Some(world))
+    };
+    let ranks = comms
+        .into_iter()
+        .map(|comm| Ok(Box::new(weights.shard(opts.weights, comm)?) as Box<dyn CausalLm>))
+        .collect::<Result<Vec<_>, ModelError>>()?;
+    let info = ranks[0].info().clone();
     tracing::info!(
         model = %name,
-        path = %source.path().display(),
+        path = %path.display(),
         arch = %info.architecture,
         layers = info.num_layers,
         weights = %info.weight_mode,
+        tp = opts.parallel.tp,
+        pp = opts.parallel.pp,
         weight_mib = info.weight_bytes / (1 << 20),
         secs = start.elapsed().as_secs_f32(),
         "model loaded"
     );
     Ok(LoadedModel {
         name,
-        model,
+        ranks,
+        world,
         tokenizer,
         info,
-        path: source.path().to_owned(),
+        path,
     })
+}
+
+/// The config of a dummy model: an HF-style `config.json` (`model_type` may be left out).
+fn dummy_config(path: &Path) -> Result<LlamaConfig, ModelError> {
+    let text = std::fs::read_to_string(path).map_err(|e| ModelError::io(path, e))?;
+    let mut json: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| ModelError::format(format!("{}: {e}", path.display())))?;
+    if let Some(obj) = json.as_object_mut() {
+        obj.entry("model_type").or_insert("llama".into());
+    }
+    LlamaConfig::from_hf_json(&json)
+        .map_err(|e| ModelError::format(format!("{}: {e}", path.display())))
 }
 
 /// The model config of a Hugging Face directory (`config.json`).
@@ -279,6 +344,11 @@ pub fn load_tokenizer(
     spec: &str,
     opts: &LoadOptions,
 ) -> Result<(String, TextTokenizer, usize), ModelError> {
+    if let LoadFormat::Dummy { config } = &opts.format {
+        let cfg = dummy_config(config)?;
+        let tokenizer = TextTokenizer::byte_level(cfg.vocab_size)?;
+        return Ok((spec.to_owned(), tokenizer, cfg.max_position_embeddings));
+    }
     let (name, source) = resolve_model(spec, opts)?;
     match &source {
         ModelSource::Gguf(path) => {

@@ -14,6 +14,7 @@
 //! the cache, so a sequence attends to its own new tokens (causally) within the same step.
 
 use tandem_kv_cache::{CacheDtype, KvCacheGroup, KvStorage};
+use tandem_parallel::{ParallelConfig, RankId};
 
 use crate::error::ModelError;
 use crate::weights::WeightMode;
@@ -133,7 +134,8 @@ pub struct ModelInfo {
     pub tie_word_embeddings: bool,
     /// How the weights are held in memory.
     pub weight_mode: WeightMode,
-    /// Bytes of weights the forward pass reads per step (all matrices and the embedding table).
+    /// Bytes of weights the forward pass reads per step (all matrices and the embedding table;
+    /// of this rank's shard when the model is split). The other fields describe the whole model.
     pub weight_bytes: usize,
 }
 
@@ -147,5 +149,14 @@ pub trait CausalLm: Send + Sync {
 
     /// Runs one step: writes the K and V of every token of `batch` to its slot, and returns the
     /// logits of the rows `batch.logits_indices`, `[logits_indices.len(), vocab_size]` row-major.
+    ///
+    /// A rank of a parallel model returns the logits only on the last pipeline stage (every TP
+    /// rank of it, gathered); earlier stages return nothing. Every rank of the model must run
+    /// the same batch in the same step.
     fn forward(&self, batch: &ForwardBatch, kv: &KvStorage) -> Result<Vec<f32>, ModelError>;
+
+    /// The parallel layout this model is a rank of (TP 1, PP 1 rank 0 for a whole model).
+    fn parallel_rank(&self) -> (ParallelConfig, RankId) {
+        (ParallelConfig::default(), RankId::default())
+    }
 }

@@ -232,6 +232,54 @@ impl TextTokenizer {
         Ok(t)
     }
 
+    /// A byte-level tokenizer for models without one (`--load-format dummy`): ids 0..256 are
+    /// the bytes (GPT-2's byte-to-character alphabet, in character order), 256 is `<|bos|>`
+    /// (prepended), 257 is `<|eos|>`; a plain chat template of role lines. Needs
+    /// `vocab_size >= 258`; the ids above 257 never come out of `encode`.
+    pub fn byte_level(vocab_size: usize) -> Result<Self, ModelError> {
+        const BOS: &str = "<|bos|>";
+        const EOS: &str = "<|eos|>";
+        if vocab_size < 258 {
+            return Err(ModelError::Unsupported(format!(
+                "a vocabulary of {vocab_size} tokens: the byte-level tokenizer needs at least 258"
+            )));
+        }
+        let mut alphabet: Vec<char> = tokenizers::pre_tokenizers::byte_level::ByteLevel::alphabet()
+            .into_iter()
+            .collect();
+        alphabet.sort_unstable();
+        let vocab: serde_json::Map<String, serde_json::Value> = alphabet
+            .iter()
+            .enumerate()
+            .map(|(i, c)| (c.to_string(), serde_json::json!(i)))
+            .collect();
+        let special = |id: usize, content: &str| {
+            serde_json::json!({"id": id, "content": content, "single_word": false, "lstrip": false,
+                "rstrip": false, "normalized": false, "special": true})
+        };
+        let byte_level = serde_json::json!({"type": "ByteLevel", "add_prefix_space": false,
+            "trim_offsets": true, "use_regex": false});
+        let json = serde_json::json!({
+            "version": "1.0",
+            "added_tokens": [special(256, BOS), special(257, EOS)],
+            "normalizer": null,
+            "pre_tokenizer": byte_level,
+            "post_processor": null,
+            "decoder": byte_level,
+            "model": {"type": "BPE", "dropout": null, "unk_token": null,
+                "continuing_subword_prefix": null, "end_of_word_suffix": null, "fuse_unk": false,
+                "byte_fallback": false, "ignore_merges": false, "vocab": vocab, "merges": []},
+        });
+        let inner: Tokenizer = json.to_string().parse().map_err(tok_err)?;
+        let template = ChatTemplate::new(
+            "{% for m in messages %}{{ bos_token }}{{ m.role }}\n{{ m.content }}{{ eos_token }}\n\
+             {% endfor %}{% if add_generation_prompt %}{{ bos_token }}assistant\n{% endif %}",
+            BOS,
+            EOS,
+        )?;
+        Self::assemble(inner, Some(256), true, vec![257], Some(template))
+    }
+
     fn assemble(
         inner: Tokenizer,
         bos_id: Option<u32>,

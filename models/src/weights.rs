@@ -182,6 +182,65 @@ impl HostMatrix {
         }
     }
 
+    /// Rows `rows` of the matrix (a tensor-parallel slice of the output features).
+    pub fn slice_rows(&self, rows: std::ops::Range<usize>) -> Self {
+        debug_assert!(rows.end <= self.rows);
+        let data = match &self.data {
+            MatData::F32(v) => {
+                MatData::F32(v[rows.start * self.cols..rows.end * self.cols].to_vec())
+            }
+            MatData::Quant { dtype, bytes } => {
+                let rb = self.row_bytes();
+                MatData::Quant {
+                    dtype: *dtype,
+                    bytes: bytes[rows.start * rb..rows.end * rb].to_vec(),
+                }
+            }
+        };
+        HostMatrix {
+            rows: rows.len(),
+            cols: self.cols,
+            data,
+        }
+    }
+
+    /// Columns `cols` of the matrix (a tensor-parallel slice of the input features). Quantized
+    /// blocks are kept when the slice starts and ends on block boundaries; otherwise the result
+    /// is f32.
+    pub fn slice_cols(&self, cols: std::ops::Range<usize>) -> Result<Self, ModelError> {
+        debug_assert!(cols.end <= self.cols);
+        let width = cols.len();
+        let data = match &self.data {
+            MatData::Quant { dtype, bytes }
+                if cols.start.is_multiple_of(dtype.block_size())
+                    && width.is_multiple_of(dtype.block_size()) =>
+            {
+                let (rb, bs, ts) = (self.row_bytes(), dtype.block_size(), dtype.type_size());
+                let (from, len) = (cols.start / bs * ts, width / bs * ts);
+                MatData::Quant {
+                    dtype: *dtype,
+                    bytes: bytes
+                        .chunks_exact(rb)
+                        .flat_map(|row| row[from..from + len].iter().copied())
+                        .collect(),
+                }
+            }
+            _ => {
+                let v = self.to_f32()?;
+                MatData::F32(
+                    v.chunks_exact(self.cols)
+                        .flat_map(|row| row[cols.clone()].iter().copied())
+                        .collect(),
+                )
+            }
+        };
+        Ok(HostMatrix {
+            rows: self.rows,
+            cols: width,
+            data,
+        })
+    }
+
     /// Stacks matrices with equal `cols` row-wise. Quantized rows are kept when all parts share
     /// one quantized type; otherwise the result is f32.
     pub fn concat_rows(parts: &[HostMatrix]) -> Result<Self, ModelError> {

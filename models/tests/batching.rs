@@ -63,7 +63,7 @@ fn batched_equals_solo_q8_0() {
         return;
     };
     for dtype in [CacheDtype::F32, CacheDtype::Bf16] {
-        let d = solo_vs_batched(m.model.as_ref(), dtype);
+        let d = solo_vs_batched(m.model(), dtype);
         eprintln!("q8_0 weights, {dtype} cache: max |solo - batched| logit = {d:e}");
         assert_eq!(d, 0.0, "{dtype}: quantized matmuls are row-independent");
     }
@@ -77,7 +77,7 @@ fn batched_equals_solo_f32() {
         return;
     };
     for dtype in [CacheDtype::F32, CacheDtype::F16] {
-        let d = solo_vs_batched(m.model.as_ref(), dtype);
+        let d = solo_vs_batched(m.model(), dtype);
         eprintln!("f32 weights, {dtype} cache: max |solo - batched| logit = {d:e}");
         let tol = if dtype == CacheDtype::F32 { 1e-3 } else { 5e-2 };
         assert!(d <= tol, "{dtype}: {d}");

@@ -265,9 +265,9 @@ fn write_gguf(path: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)]) {
 }
 
 fn logits(m: &LoadedModel) -> Vec<Vec<f32>> {
-    let mut cache = common::Cache::new(m.model.as_ref(), 4, 32, CacheDtype::F32);
+    let mut cache = common::Cache::new(m.model(), 4, 32, CacheDtype::F32);
     let prompts = vec![vec![5u32, 17, 200, 3, 9, 42, 7], vec![11u32, 12]];
-    let (_, logits) = common::greedy_batched(m.model.as_ref(), &mut cache, &prompts, 4, 3);
+    let (_, logits) = common::greedy_batched(m.model(), &mut cache, &prompts, 4, 3);
     logits.into_iter().flatten().collect()
 }
 

@@ -47,9 +47,9 @@ fn greedy_f32_matches_transformers() {
         .iter()
         .map(|p| (p.len() + new_tokens).div_ceil(16))
         .sum();
-    let mut cache = Cache::new(m.model.as_ref(), 16, blocks + 4, CacheDtype::F32);
+    let mut cache = Cache::new(m.model(), 16, blocks + 4, CacheDtype::F32);
     let t = std::time::Instant::now();
-    let (seqs, logits) = greedy_batched(m.model.as_ref(), &mut cache, &prompts, new_tokens, 64);
+    let (seqs, logits) = greedy_batched(m.model(), &mut cache, &prompts, new_tokens, 64);
     eprintln!(
         "{} prompts x {new_tokens} tokens in {:.2}s",
         prompts.len(),

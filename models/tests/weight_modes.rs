@@ -138,7 +138,7 @@ fn every_weight_mode_and_cache_dtype_predicts_like_the_reference() {
         };
         let vocab = m.info.vocab_size;
         for dtype in [CacheDtype::F32, CacheDtype::F16, CacheDtype::Bf16] {
-            let a = teacher_forced(m.model.as_ref(), dtype);
+            let a = teacher_forced(m.model(), dtype);
             if mode == WeightMode::F32 && dtype == CacheDtype::F32 {
                 f32_logits = Some(a.logits.clone());
             }

@@ -1,9 +1,10 @@
-//! The model worker: runs the model over the paged KV cache on this process.
+//! The model worker: runs the model (or one rank's shard of it) over its paged KV cache.
 //!
-//! It owns each request's sampler (created when the request is first scheduled, dropped when the
-//! scheduler reports it finished) and drives the connector's worker side around the forward pass:
-//! transfers start before the forward, finished ones are collected after it. Its
-//! [`ChecksumWorker`] (every layer and head: TP 1, PP 1) learns the step's loads before the
+//! The sampling rank (the whole model, or TP rank 0 of the last pipeline stage) owns each
+//! request's sampler (created when the request is first scheduled, dropped when the scheduler
+//! reports it finished); other ranks return no tokens. Every rank drives its connector's worker
+//! side around the forward pass: transfers start before the forward, finished ones are collected
+//! after it. Its [`ChecksumWorker`] (its layers and KV heads) learns the step's loads before the
 //! connector starts them, checksums sends on its side thread after the forward, and checksums
 //! the loads the connector reports finished before the step returns.
 
@@ -28,6 +29,8 @@ pub struct ModelWorker {
     samplers: HashMap<u64, Sampler>,
     connector: Box<dyn KvConnectorWorker>,
     checksums: ChecksumWorker,
+    /// Whether this rank samples the step's tokens.
+    samples: bool,
 }
 
 impl ModelWorker {
@@ -46,7 +49,13 @@ impl ModelWorker {
         } else {
             model.kv_cache_groups(block_size, kv.layout(0).dtype)
         };
-        let checksums = ChecksumWorker::single(kv.clone(), &groups);
+        let (parallel, rank) = model.parallel_rank();
+        let checksums = if parallel.is_single() {
+            ChecksumWorker::single(kv.clone(), &groups)
+        } else {
+            let kv_heads = model.info().num_kv_heads;
+            ChecksumWorker::for_rank(kv.clone(), &groups, parallel, rank, kv_heads)?
+        };
         Ok(ModelWorker {
             model,
             kv,
@@ -54,6 +63,7 @@ impl ModelWorker {
             samplers: HashMap::new(),
             connector,
             checksums,
+            samples: rank == parallel.driver(),
         })
     }
 }
@@ -68,7 +78,7 @@ impl ModelWorker {
         if !step.has_model_work() {
             return Ok(sampled);
         }
-        for s in &step.scheduled {
+        for s in step.scheduled.iter().filter(|_| self.samples) {
             if let Some(p) = &s.sampling {
                 let context = s.penalty_context.as_deref().unwrap_or_default();
                 self.samplers
@@ -103,6 +113,9 @@ impl ModelWorker {
             .model
             .forward(&batch, &self.kv)
             .map_err(|e| EngineError::Execution(e.to_string()))?;
+        if !self.samples {
+            return Ok(sampled);
+        }
         let vocab = self.model.info().vocab_size;
         for (row, &id) in flat.sampled_requests.iter().enumerate() {
             let sampler = self

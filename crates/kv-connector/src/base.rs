@@ -62,7 +62,7 @@ pub struct FinishedAction {
 
 /// Connector-specific data sent from the scheduler side to the worker side each step.
 #[derive(Default)]
-pub struct ConnectorMetadata(pub Option<Box<dyn Any + Send>>);
+pub struct ConnectorMetadata(pub Option<Box<dyn Any + Send + Sync>>);
 
 impl std::fmt::Debug for ConnectorMetadata {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -138,12 +138,19 @@ impl ConnectorOutput {
         for (id, payload) in other.kv_checksums {
             self.kv_checksums.entry(id).or_insert(payload);
         }
-        self.stats.bytes += other.stats.bytes;
-        self.stats.descriptors += other.stats.descriptors;
-        self.stats.transfers.extend(other.stats.transfers);
-        self.stats.failures += other.stats.failures;
-        self.stats.expired_leases += other.stats.expired_leases;
-        self.stats.failed_notifications += other.stats.failed_notifications;
+        self.stats.merge(other.stats);
+    }
+}
+
+impl TransferStats {
+    /// Adds another worker's statistics to these.
+    pub fn merge(&mut self, other: TransferStats) {
+        self.bytes += other.bytes;
+        self.descriptors += other.descriptors;
+        self.transfers.extend(other.transfers);
+        self.failures += other.failures;
+        self.expired_leases += other.expired_leases;
+        self.failed_notifications += other.failed_notifications;
     }
 }
 

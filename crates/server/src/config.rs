@@ -9,12 +9,15 @@ use std::path::Path;
 
 use clap::{ArgAction, Args};
 
+/// The model `tandem serve` runs without `--model`.
+pub const DEFAULT_MODEL: &str = "smollm2-135m";
+
 /// Flags of `tandem serve`.
 #[derive(Args, Debug, Clone)]
 pub struct ServeArgs {
     /// Model: `smollm2-135m` (the embedded default), a GGUF file, a Hugging Face directory
     /// (config.json + *.safetensors + tokenizer.json), or an `org/name` in the local hf-hub cache.
-    #[arg(long, env = "TANDEM_MODEL", default_value = "smollm2-135m")]
+    #[arg(long, env = "TANDEM_MODEL", default_value = DEFAULT_MODEL)]
     pub model: String,
     /// Name(s) the API accepts and reports for the model (default: the `--model` value).
     #[arg(long, env = "TANDEM_SERVED_MODEL_NAME", value_delimiter = ',')]
@@ -29,6 +32,22 @@ pub struct ServeArgs {
     /// accuracy mode), or a quantized mode the model loader names.
     #[arg(long, env = "TANDEM_DTYPE", default_value = "auto")]
     pub dtype: String,
+    /// Tensor-parallel size: workers (threads of this process) that each hold a slice of every
+    /// layer's attention heads, KV heads and MLP, and sum their partial results.
+    #[arg(long, env = "TANDEM_TENSOR_PARALLEL_SIZE", default_value_t = 1)]
+    pub tensor_parallel_size: usize,
+    /// Pipeline-parallel size: stages that each hold a contiguous run of the layers.
+    #[arg(long, env = "TANDEM_PIPELINE_PARALLEL_SIZE", default_value_t = 1)]
+    pub pipeline_parallel_size: usize,
+    /// Where weights come from: `auto` (the `--model` files) or `dummy` (deterministic random
+    /// weights of the shapes in `--model-config`, with a byte-level tokenizer; `--model` is then
+    /// only the served name).
+    #[arg(long, env = "TANDEM_LOAD_FORMAT", default_value = "auto")]
+    pub load_format: String,
+    /// An HF-style `config.json` for `--load-format dummy` (hidden_size, intermediate_size,
+    /// num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, vocab_size, …).
+    #[arg(long, env = "TANDEM_MODEL_CONFIG")]
+    pub model_config: Option<std::path::PathBuf>,
     /// Element type of the KV cache: f32, f16 or bf16.
     #[arg(long, env = "TANDEM_KV_CACHE_DTYPE", default_value = "f32")]
     pub kv_cache_dtype: String,

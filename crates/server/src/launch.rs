@@ -8,6 +8,7 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use tandem_engine::debug_fault::ENGINE_FAULT_ENV;
 use tandem_engine::detokenizer::Detokenize;
 use tandem_engine::model_worker::ModelWorker;
+use tandem_engine::ParallelWorker;
 use tandem_engine::{
     EngineFault, EngineHandle, FaultyWorker, KvChecksumConfig, KvLoadFailurePolicy, Scheduler,
     SchedulerConfig, Worker, WorkerGrid,
@@ -18,9 +19,11 @@ use tandem_kv_connector::base::{KvConnectorScheduler, KvConnectorWorker, NoopCon
 use tandem_kv_connector::config::{KvMode, KvTransferConfig, LoadFailurePolicy};
 use tandem_kv_connector::pull::{nixl_pull_connector, KvAdmission, KvPeerService};
 use tandem_kv_connector::push::nixl_push_connector;
-use tandem_models::{load_model, LoadOptions, TextTokenizer, WeightMode};
+use tandem_models::{
+    load_model, LoadFormat, LoadOptions, ParallelConfig, TextTokenizer, WeightMode,
+};
 
-use crate::config::{parse_bytes, ServeArgs};
+use crate::config::{parse_bytes, ServeArgs, DEFAULT_MODEL};
 use crate::state::{ApiTokenizer, AppState};
 
 /// Installs the process-wide Prometheus recorder with latency buckets suited to LLM serving,
@@ -141,25 +144,47 @@ pub fn build_instance(
             args.block_size
         );
     }
+    let parallel = ParallelConfig::new(args.tensor_parallel_size, args.pipeline_parallel_size)
+        .context("--tensor-parallel-size / --pipeline-parallel-size")?;
+    if transfer.is_some() && !parallel.is_single() {
+        bail!(
+            "P/D (--kv-transfer-config) with --tensor-parallel-size or --pipeline-parallel-size \
+             above 1 is not supported yet: run P/D instances with TP 1 and PP 1"
+        );
+    }
+    let (format, spec) = load_format(args)?;
     let started = std::time::Instant::now();
-    let loaded = load_model(
-        &args.model,
+    let mut loaded = load_model(
+        &spec,
         &LoadOptions {
             weights,
+            format,
+            parallel,
             ..Default::default()
         },
     )
-    .with_context(|| format!("loading model `{}`", args.model))?;
+    .with_context(|| format!("loading model `{spec}`"))?;
     let loaded_path = loaded.path.display().to_string();
-    let model: Arc<dyn tandem_models::CausalLm> = Arc::from(loaded.model);
-    let info = model.info().clone();
-    let groups = model.kv_cache_groups(args.block_size, cache_dtype);
-    let groups_for_checksums = groups.clone();
-    let probe = KvCacheConfig {
-        num_blocks: 1,
-        groups: groups.clone(),
-    };
-    let per_block = probe.bytes_per_block_all_layers();
+    let world = loaded.world.take();
+    let models: Vec<Arc<dyn tandem_models::CausalLm>> =
+        loaded.ranks.drain(..).map(Arc::from).collect();
+    let info = loaded.info.clone();
+    let rank_groups: Vec<_> = models
+        .iter()
+        .map(|m| m.kv_cache_groups(args.block_size, cache_dtype))
+        .collect();
+    // Every rank holds every block id (its layers and heads of it): a block costs all of them.
+    let per_block: usize = rank_groups
+        .iter()
+        .map(|groups| {
+            KvCacheConfig {
+                num_blocks: 1,
+                groups: groups.clone(),
+            }
+            .bytes_per_block_all_layers()
+        })
+        .sum();
+    let groups_for_checksums = rank_groups[0].clone();
     let num_blocks = match args.num_kv_blocks {
         Some(n) => n,
         None => {
@@ -183,7 +208,11 @@ pub fn build_instance(
             );
         }
     }
-    let storage = Arc::new(KvStorage::new(&KvCacheConfig { num_blocks, groups })?);
+    let storages = rank_groups
+        .into_iter()
+        .map(|groups| KvStorage::new(&KvCacheConfig { num_blocks, groups }).map(Arc::new))
+        .collect::<Result<Vec<_>, _>>()?;
+    let kv_cache_bytes: usize = storages.iter().map(|s| s.total_bytes()).sum();
     metrics::gauge!(tandem_engine::metrics::CACHE_CONFIG_INFO,
         "block_size" => args.block_size.to_string(),
         "num_gpu_blocks" => num_blocks.to_string(),
@@ -196,7 +225,9 @@ pub fn build_instance(
         kv_cache_dtype = %cache_dtype,
         num_blocks,
         block_size = args.block_size,
-        kv_cache_mib = storage.total_bytes() >> 20,
+        kv_cache_mib = kv_cache_bytes >> 20,
+        tp = parallel.tp,
+        pp = parallel.pp,
         max_model_len,
         load_seconds = format!("{:.2}", started.elapsed().as_secs_f64()),
         "model loaded"
@@ -264,12 +295,24 @@ pub fn build_instance(
             tracing::info!("KV checksums off (enable_kv_checksum is not set)");
         }
     }
-    let mut worker: Box<dyn Worker> = Box::new(ModelWorker::new(
-        model,
-        storage,
-        args.block_size,
-        connector_worker,
-    )?);
+    let mut worker: Box<dyn Worker> = match world {
+        None => Box::new(ModelWorker::new(
+            models[0].clone(),
+            storages[0].clone(),
+            args.block_size,
+            connector_worker,
+        )?),
+        Some(world) => {
+            let ranks = models
+                .into_iter()
+                .zip(storages)
+                .map(|(model, storage)| {
+                    ModelWorker::new(model, storage, args.block_size, Box::new(NoopConnector))
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            Box::new(ParallelWorker::new(parallel, ranks, world)?)
+        }
+    };
     if let Some(fault) = fault {
         tracing::warn!(
             "{ENGINE_FAULT_ENV}={fault}: the engine will panic on purpose (testing only); \
@@ -293,6 +336,32 @@ pub fn build_instance(
         kv_admission,
     };
     Ok(Instance { state, engine })
+}
+
+/// `--load-format` and `--model-config`, and the spec to load: for dummy weights `--model` is
+/// only the name, and the default name gives way to the config file's stem.
+fn load_format(args: &ServeArgs) -> anyhow::Result<(LoadFormat, String)> {
+    match (args.load_format.as_str(), &args.model_config) {
+        ("auto", None) => Ok((LoadFormat::Auto, args.model.clone())),
+        ("auto", Some(_)) => bail!("--model-config is only used with --load-format dummy"),
+        ("dummy", None) => bail!("--load-format dummy needs --model-config FILE.json"),
+        ("dummy", Some(config)) => {
+            let name = if args.model == DEFAULT_MODEL {
+                config
+                    .file_stem()
+                    .map_or_else(|| "dummy".into(), |s| s.to_string_lossy().into_owned())
+            } else {
+                args.model.clone()
+            };
+            Ok((
+                LoadFormat::Dummy {
+                    config: config.clone(),
+                },
+                name,
+            ))
+        }
+        (other, _) => bail!("--load-format `{other}`: expected auto or dummy"),
+    }
 }
 
 /// Parses `--kv-transfer-config`; only the NIXL connector exists.

@@ -20,6 +20,9 @@ pub const TIME_TO_FIRST_TOKEN_SECONDS: &str = "tandem:time_to_first_token_second
 pub const INTER_TOKEN_LATENCY_SECONDS: &str = "tandem:inter_token_latency_seconds";
 pub const E2E_REQUEST_LATENCY_SECONDS: &str = "tandem:e2e_request_latency_seconds";
 pub const ENGINE_STEP_SECONDS: &str = "tandem:engine_step_seconds";
+/// Seconds each rank of a TP/PP instance spent in collectives so far (waiting for the others
+/// included): a gauge that only grows (the exporter's counters are integers).
+pub const PARALLEL_COLLECTIVE_SECONDS: &str = "tandem:parallel_collective_seconds";
 
 // Per request, as vLLM names them (histograms observed once per finished request).
 /// Arrival to first scheduled.
@@ -103,6 +106,12 @@ pub fn describe() {
         "KV cache blocks not held by any request."
     );
     describe_gauge!(KV_CACHE_TOTAL_BLOCKS, "KV cache blocks in the pool.");
+    describe_gauge!(
+        PARALLEL_COLLECTIVE_SECONDS,
+        Unit::Seconds,
+        "Seconds so far each rank (tp_rank, pp_rank) of a tensor- or pipeline-parallel instance spent in \
+         collectives (all-reduce, gather, stage handoff), waiting for the other ranks included."
+    );
     describe_counter!(PROMPT_TOKENS_TOTAL, "Prompt tokens processed.");
     describe_counter!(GENERATION_TOKENS_TOTAL, "Tokens generated.");
     describe_counter!(

@@ -1,48 +1,48 @@
 //! The model worker: runs the model (or one rank's shard of it) over its paged KV cache.
 //!
-//! The sampling rank (the whole model, or TP rank 0 of the last pipeline stage) owns each
-//! request's sampler (created when the request is first scheduled, dropped when the scheduler
-//! reports it finished); other ranks return no tokens. Every rank drives its connector's worker
-//! side around the forward pass: transfers start before the forward, finished ones are collected
-//! after it. Its [`ChecksumWorker`] (its layers and KV heads) learns the step's loads before the
-//! connector starts them, checksums sends on its side thread after the forward, and checksums
-//! the loads the connector reports finished before the step returns.
+//! [`RankWorker`] is one rank: its model shard, its KV storage, its [`ChecksumWorker`] (its layers
+//! and KV heads), and, on the sampling rank (the whole model, or TP rank 0 of the last pipeline
+//! stage), each request's sampler (created when the request is first scheduled, dropped when the
+//! scheduler reports it finished); other ranks return no tokens. [`ModelWorker`] is the only rank
+//! of an instance with its connector; a TP x PP group drives its ranks and one connector over
+//! all of their caches in [`crate::parallel_worker::ParallelWorker`].
+//!
+//! Order of a step, for the connector and the checksums: the checksum worker learns the step's
+//! loads before the connector starts them; the connector starts transfers before the forward;
+//! sends are checksummed on the side thread after the forward wrote their KV (queued even when
+//! the step failed, so that every send job is answered); the loads the connector reports
+//! finished are checksummed before the step returns.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use tandem_kv_cache::KvStorage;
-use tandem_kv_connector::base::KvConnectorWorker;
+use tandem_kv_connector::base::{ConnectorOutput, KvConnectorWorker, RankKvCaches};
 use tandem_models::{CausalLm, ForwardBatch, SeqBatch};
 
 use crate::error::EngineError;
 use crate::kv_checksum::ChecksumWorker;
 use crate::sampling::Sampler;
-use crate::scheduler_output::{SampledToken, SchedulerOutput, WorkerOutput};
+use crate::scheduler_output::{ChecksumRecord, SampledToken, SchedulerOutput, WorkerOutput};
 use crate::worker::{FlatBatch, Worker};
 
-/// Runs the model on this process.
-pub struct ModelWorker {
+/// One rank of an instance (the only one for TP 1, PP 1). See the module docs.
+pub struct RankWorker {
     model: Arc<dyn CausalLm>,
     kv: Arc<KvStorage>,
     block_size: usize,
     samplers: HashMap<u64, Sampler>,
-    connector: Box<dyn KvConnectorWorker>,
     checksums: ChecksumWorker,
     /// Whether this rank samples the step's tokens.
     samples: bool,
 }
 
-impl ModelWorker {
+impl RankWorker {
     pub fn new(
         model: Arc<dyn CausalLm>,
         kv: Arc<KvStorage>,
         block_size: usize,
-        mut connector: Box<dyn KvConnectorWorker>,
     ) -> Result<Self, EngineError> {
-        connector
-            .register_kv_caches(kv.clone())
-            .map_err(|e| EngineError::Execution(format!("registering KV caches: {e}")))?;
         // The storage was allocated from these groups; they name each layer's group and spec.
         let groups = if kv.num_layers() == 0 {
             Vec::new()
@@ -56,24 +56,45 @@ impl ModelWorker {
             let kv_heads = model.info().num_kv_heads;
             ChecksumWorker::for_rank(kv.clone(), &groups, parallel, rank, kv_heads)?
         };
-        Ok(ModelWorker {
+        Ok(RankWorker {
             model,
             kv,
             block_size,
             samplers: HashMap::new(),
-            connector,
             checksums,
             samples: rank == parallel.driver(),
         })
     }
-}
 
-impl ModelWorker {
-    /// Starts the step's transfers and runs the forward; returns the sampled tokens.
-    fn run_step(&mut self, step: &SchedulerOutput) -> Result<Vec<SampledToken>, EngineError> {
-        self.connector
-            .start_load_kv(&step.connector_metadata)
-            .map_err(|e| EngineError::Execution(format!("starting KV transfers: {e}")))?;
+    /// This rank's caches as the connector registers them: its storage and the model heads it
+    /// holds.
+    pub fn kv_caches(&self) -> Result<RankKvCaches, EngineError> {
+        let (parallel, rank) = self.model.parallel_rank();
+        let slice = parallel
+            .kv_heads(self.model.info().num_kv_heads, rank.tp_rank)
+            .map_err(|e| EngineError::Execution(e.to_string()))?;
+        Ok(RankKvCaches {
+            tp_rank: rank.tp_rank,
+            pp_rank: rank.pp_rank,
+            kv_heads: (slice.first..slice.first + slice.count)
+                .map(|h| h as u32)
+                .collect(),
+            kv_replica: slice.replica_index as u32,
+            storage: self.kv.clone(),
+        })
+    }
+
+    /// Before the connector starts this step's loads.
+    pub fn begin_step(&mut self, step: &SchedulerOutput) {
+        for id in &step.finished_request_ids {
+            self.samplers.remove(id);
+        }
+        self.checksums
+            .begin_step(&step.checksum_work, &step.finished_request_ids);
+    }
+
+    /// Runs the forward; returns the sampled tokens (none on ranks that do not sample).
+    pub fn forward(&mut self, step: &SchedulerOutput) -> Result<Vec<SampledToken>, EngineError> {
         let mut sampled = Vec::new();
         if !step.has_model_work() {
             return Ok(sampled);
@@ -131,25 +152,56 @@ impl ModelWorker {
         }
         Ok(sampled)
     }
+
+    /// After the forward (failed or not): the step's sends can be checksummed.
+    pub fn start_sends(&mut self, step: &SchedulerOutput) {
+        self.checksums.start_sends(&step.checksum_work);
+    }
+
+    /// After the connector reported finished transfers: checksums this rank's part of them.
+    pub fn end_step(&mut self, connector_output: &ConnectorOutput) -> Vec<ChecksumRecord> {
+        self.checksums.end_step(connector_output)
+    }
+}
+
+/// The only rank of an instance, with its connector.
+pub struct ModelWorker {
+    rank: RankWorker,
+    connector: Box<dyn KvConnectorWorker>,
+}
+
+impl ModelWorker {
+    pub fn new(
+        model: Arc<dyn CausalLm>,
+        kv: Arc<KvStorage>,
+        block_size: usize,
+        mut connector: Box<dyn KvConnectorWorker>,
+    ) -> Result<Self, EngineError> {
+        connector
+            .register_kv_caches(kv.clone())
+            .map_err(|e| EngineError::Execution(format!("registering KV caches: {e}")))?;
+        Ok(ModelWorker {
+            rank: RankWorker::new(model, kv, block_size)?,
+            connector,
+        })
+    }
 }
 
 impl Worker for ModelWorker {
     fn execute(&mut self, step: &SchedulerOutput) -> Result<WorkerOutput, EngineError> {
-        for id in &step.finished_request_ids {
-            self.samplers.remove(id);
-        }
-        self.checksums
-            .begin_step(&step.checksum_work, &step.finished_request_ids);
-        let sampled = self.run_step(step);
-        // The forward wrote this step's KV: the prompts it completed can be checksummed. Queued
-        // even after a failed step, so that every send job is answered and its blocks released.
-        self.checksums.start_sends(&step.checksum_work);
+        self.rank.begin_step(step);
+        let sampled = self
+            .connector
+            .start_load_kv(&step.connector_metadata)
+            .map_err(|e| EngineError::Execution(format!("starting KV transfers: {e}")))
+            .and_then(|()| self.rank.forward(step));
+        self.rank.start_sends(step);
         let mut out = WorkerOutput {
             sampled: sampled?,
             ..Default::default()
         };
         out.connector_output = self.connector.get_finished();
-        out.checksum_records = self.checksums.end_step(&out.connector_output);
+        out.checksum_records = self.rank.end_step(&out.connector_output);
         Ok(out)
     }
 }

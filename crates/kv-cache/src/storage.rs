@@ -1,8 +1,10 @@
 //! The memory holding every layer's K and V cache of one worker.
 //!
-//! Layout: per layer, K and V arrays of [`BlockLayout::token_major`] shape
-//! `[num_blocks, block_size, num_kv_heads, head_dim]`, 8-byte aligned, allocated once and never
-//! moved, so their addresses can be registered with a transfer engine (NIXL) and read or written
+//! Layout: per layer, K and V arrays of shape `[num_blocks, block_size, num_kv_heads, head_dim]`
+//! ([`LayoutOrder::TokenMajor`], the default) or `[num_blocks, num_kv_heads, block_size,
+//! head_dim]` ([`LayoutOrder::HeadMajor`]: each head's rows of a block are contiguous, so a
+//! transfer can move single heads, which heterogeneous tensor parallelism needs), 8-byte
+//! aligned, allocated once and never moved, so their addresses can be registered with a transfer engine (NIXL) and read or written
 //! by it while the engine runs.
 //!
 //! Concurrency invariant: the storage is shared (`&self`) by the forward pass, checksum threads and
@@ -16,7 +18,7 @@
 use std::cell::UnsafeCell;
 
 use crate::error::KvCacheError;
-use crate::layout::{BlockLayout, LayerKv};
+use crate::layout::{BlockLayout, LayerKv, LayoutOrder};
 use crate::spec::KvCacheConfig;
 
 /// One 8-byte aligned, fixed-address byte array.
@@ -82,21 +84,29 @@ impl std::fmt::Debug for KvStorage {
 }
 
 impl KvStorage {
-    /// Allocates zeroed K and V arrays for every layer of every group.
+    /// Allocates zeroed token-major K and V arrays for every layer of every group.
     pub fn new(config: &KvCacheConfig) -> Result<Self, KvCacheError> {
+        Self::with_order(config, LayoutOrder::TokenMajor)
+    }
+
+    /// Allocates zeroed K and V arrays in `order` for every layer of every group.
+    pub fn with_order(config: &KvCacheConfig, order: LayoutOrder) -> Result<Self, KvCacheError> {
         if config.num_blocks == 0 {
             return Err(KvCacheError::InvalidConfig("num_blocks must be > 0".into()));
         }
         let mut layers = Vec::new();
         for group in &config.groups {
             let s = &group.spec;
-            let layout = BlockLayout::token_major(
-                config.num_blocks,
-                s.block_size(),
-                s.num_kv_heads(),
-                s.head_dim(),
-                s.dtype(),
-            );
+            let layout = BlockLayout {
+                order,
+                ..BlockLayout::token_major(
+                    config.num_blocks,
+                    s.block_size(),
+                    s.num_kv_heads(),
+                    s.head_dim(),
+                    s.dtype(),
+                )
+            };
             layout.validate()?;
             for name in &group.layer_names {
                 layers.push(LayerBuffers {
@@ -161,19 +171,27 @@ impl KvStorage {
             }
         }
         let num_slots = layout.num_blocks * layout.block_size;
-        let token_bytes = per_token * layout.dtype.size();
+        // A token's heads are one run in token-major blocks, one run per head otherwise.
+        let (runs, run_len) = match layout.order {
+            LayoutOrder::TokenMajor => (1, per_token),
+            LayoutOrder::HeadMajor => (layout.num_kv_heads, layout.head_dim),
+        };
+        let run_bytes = run_len * layout.dtype.size();
         for (i, &slot) in slots.iter().enumerate() {
             if slot >= num_slots {
                 return Err(KvCacheError::SlotOutOfRange { slot, num_slots });
             }
-            let off = slot * token_bytes; // token-major, unsplit
-            for (buf, src) in [(&l.k, k), (&l.v, v)] {
-                // SAFETY: off + token_bytes <= total_bytes; the slot's block is owned by the caller.
-                let dst =
-                    unsafe { std::slice::from_raw_parts_mut(buf.ptr().add(off), token_bytes) };
-                layout
-                    .dtype
-                    .encode(&src[i * per_token..(i + 1) * per_token], dst);
+            let (block, token) = (slot / layout.block_size, slot % layout.block_size);
+            for run in 0..runs {
+                let off = layout.row_offset(block, token, run);
+                let from = i * per_token + run * run_len;
+                for (buf, src) in [(&l.k, k), (&l.v, v)] {
+                    // SAFETY: off + run_bytes <= total_bytes; the slot's block is owned by the
+                    // caller.
+                    let dst =
+                        unsafe { std::slice::from_raw_parts_mut(buf.ptr().add(off), run_bytes) };
+                    layout.dtype.encode(&src[from..from + run_len], dst);
+                }
             }
         }
         Ok(())
@@ -290,6 +308,32 @@ mod tests {
         assert_eq!(&back[..], &v[8..16]);
         // layer 0 untouched
         assert!(s.layer(0).unwrap().to_vecs().0.iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn head_major_storage_keeps_each_heads_rows_together() {
+        let s = KvStorage::with_order(&config(CacheDtype::F32), LayoutOrder::HeadMajor).unwrap();
+        assert_eq!(s.layout(0).order, LayoutOrder::HeadMajor);
+        // tokens 0..4 of block 1 (slots 4..8), head h of token t holds 100 t + 10 h + d/8
+        let row = |t: usize, h: usize| -> Vec<f32> {
+            (0..8).map(|d| (100 * t + 10 * h) as f32 + d as f32 / 8.0).collect()
+        };
+        let k: Vec<f32> = (0..4).flat_map(|t| [row(t, 0), row(t, 1)].concat()).collect();
+        let v: Vec<f32> = k.iter().map(|x| -x).collect();
+        s.write_slots(0, &[4, 5, 6, 7], &k, &v).unwrap();
+        let view = s.layer(0).unwrap();
+        let (kb, vb) = view.block(1).unwrap();
+        let mut back = vec![0f32; kb.len() / 4];
+        CacheDtype::F32.decode(kb, &mut back);
+        // head 0's four rows, then head 1's
+        let want: Vec<f32> = (0..2).flat_map(|h| (0..4).flat_map(move |t| row(t, h))).collect();
+        assert_eq!(back, want);
+        CacheDtype::F32.decode(vb, &mut back);
+        assert_eq!(back, want.iter().map(|x| -x).collect::<Vec<_>>());
+        let (kr, _) = view.rows(1, 2, 1);
+        let mut one = [0f32; 8];
+        CacheDtype::F32.decode(kr, &mut one);
+        assert_eq!(one.to_vec(), row(2, 1));
     }
 
     #[test]

@@ -347,10 +347,58 @@ pub trait KvConnectorScheduler: Send {
     }
 }
 
+/// One worker's KV storage and what it holds of the model, for a connector that moves the KV of
+/// every worker (TP rank x pipeline stage) of an instance.
+#[derive(Debug, Clone)]
+pub struct RankKvCaches {
+    pub tp_rank: usize,
+    pub pp_rank: usize,
+    /// The model's KV heads this worker holds, in its storage's order.
+    pub kv_heads: Vec<u32>,
+    /// Which copy of those heads this worker holds (0 unless TP exceeds the KV heads).
+    pub kv_replica: u32,
+    pub storage: Arc<KvStorage>,
+}
+
+impl RankKvCaches {
+    /// The only worker of an instance: every head of `storage`.
+    pub fn whole(storage: Arc<KvStorage>) -> Self {
+        let heads = if storage.num_layers() == 0 {
+            0
+        } else {
+            storage.layout(0).num_kv_heads as u32
+        };
+        RankKvCaches {
+            tp_rank: 0,
+            pp_rank: 0,
+            kv_heads: (0..heads).collect(),
+            kv_replica: 0,
+            storage,
+        }
+    }
+}
+
 /// The worker side of a connector.
 pub trait KvConnectorWorker: Send {
     /// Called once with the worker's KV storage before the first step.
     fn register_kv_caches(&mut self, storage: Arc<KvStorage>) -> Result<(), KvConnectorError>;
+
+    /// Called once, instead of [`Self::register_kv_caches`], by an instance with several
+    /// workers (TP or PP above 1), with every worker's storage: the connector moves all of them.
+    fn register_rank_kv_caches(
+        &mut self,
+        ranks: Vec<RankKvCaches>,
+    ) -> Result<(), KvConnectorError> {
+        match <[RankKvCaches; 1]>::try_from(ranks) {
+            Ok([one]) if one.tp_rank == 0 && one.pp_rank == 0 => {
+                self.register_kv_caches(one.storage)
+            }
+            _ => Err(KvConnectorError::InvalidConfig(
+                "this connector does not move the KV of several workers (TP or PP above 1)"
+                    .into(),
+            )),
+        }
+    }
     /// Starts the loads (and saves) described by this step's metadata.
     fn start_load_kv(&mut self, metadata: &ConnectorMetadata) -> Result<(), KvConnectorError>;
     /// Transfers that finished since the last call.

@@ -26,7 +26,7 @@
 //! [`KvConnectorError::InvalidTransferParams`], so a forged or malformed value never reaches a
 //! transfer): `remote_block_ids` has exactly `cdiv(prompt_len, block_size)` distinct entries; the
 //! ids are non-empty strings of at most [`MAX_ID_LEN`] bytes without control characters; the host
-//! is a plain host name or IP literal; the port is 1..=65535; `tp_size` is 1. Unknown keys are
+//! is a plain host name or IP literal; the port is 1..=65535; `tp_size` (the producer's TP size) is 1 to 1024. Unknown keys are
 //! ignored (the checksum feature adds `kv_checksums`). Whether remote block ids exist on the
 //! producer is checked against its handshake at transfer time.
 
@@ -46,8 +46,8 @@ pub const MAX_HOST_LEN: usize = 253;
 pub const MAX_BLOCK_IDS: usize = 1 << 20;
 /// Largest `remote_block_size` accepted.
 pub const MAX_BLOCK_SIZE: usize = 1 << 16;
-/// The only TP size pull mode supports today.
-pub const SUPPORTED_TP_SIZE: u64 = 1;
+/// Largest `tp_size` accepted (the producer's tensor-parallel size).
+pub const MAX_TP_SIZE: u64 = 1024;
 
 /// What a request's `kv_transfer_params` ask of this instance.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -343,9 +343,9 @@ impl RemotePrefill {
         };
         let (remote_host, remote_port) = get_host_port(obj)?;
         let tp_size = get_uint(obj, "tp_size")?;
-        if tp_size != SUPPORTED_TP_SIZE {
+        if !(1..=MAX_TP_SIZE).contains(&tp_size) {
             return Err(bad(format!(
-                "tp_size {tp_size} is not supported (pull mode needs tp_size {SUPPORTED_TP_SIZE})"
+                "tp_size {tp_size} is out of range (1 to {MAX_TP_SIZE})"
             )));
         }
         Ok(RemotePrefill {
@@ -525,7 +525,8 @@ mod tests {
                 "remote_port must be an integer",
             ),
             (without("tp_size"), 33, "tp_size is missing"),
-            (with("tp_size", json!(2)), 33, "tp_size 2 is not supported"),
+            (with("tp_size", json!(0)), 33, "tp_size 0 is out of range"),
+            (with("tp_size", json!(5000)), 33, "tp_size 5000 is out of range"),
         ];
         for (v, prompt_len, needle) in cases {
             match parse(&v, prompt_len) {

@@ -757,7 +757,7 @@ fn malformed_or_forged_params_are_rejected_before_anything_moves() {
         ("remote_host", json!("127.0.0.1/../../x")),
         ("remote_port", json!(70000)),
         ("remote_port", json!(0)),
-        ("tp_size", json!(2)),
+        ("tp_size", json!(0)),
         ("remote_engine_id", json!(42)),
         ("remote_request_id", Value::Null),
         ("do_remote_decode", json!(true)),

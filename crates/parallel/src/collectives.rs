@@ -38,8 +38,6 @@ pub trait Collectives: Send + Sync {
     fn recv_from_prev_stage(&self) -> Result<Vec<f32>, ParallelError>;
     /// Fails this step's collectives on every rank (called by a rank that failed).
     fn abort(&self, reason: &str);
-    /// Seconds this rank spent inside collectives (waiting included) since it was created.
-    fn seconds_in_collectives(&self) -> f64;
 }
 
 /// The only rank of an instance (TP 1, PP 1): reductions and gathers are identities.
@@ -73,9 +71,6 @@ impl Collectives for SingleRank {
         ))
     }
     fn abort(&self, _reason: &str) {}
-    fn seconds_in_collectives(&self) -> f64 {
-        0.0
-    }
 }
 
 /// Barrier state of one stage's TP group.
@@ -99,6 +94,8 @@ struct WorldShared {
     wake: Condvar,
     /// One per rank (worker index): what it contributes to the current reduction or gather.
     slots: Vec<RwLock<Vec<f32>>>,
+    /// One per rank: nanoseconds spent inside collectives, waiting included.
+    nanos: Vec<AtomicU64>,
 }
 
 impl WorldShared {
@@ -128,6 +125,7 @@ impl CpuWorld {
                 }),
                 wake: Condvar::new(),
                 slots: (0..n).map(|_| RwLock::new(Vec::new())).collect(),
+                nanos: (0..n).map(|_| AtomicU64::new(0)).collect(),
             }),
         }
     }
@@ -142,7 +140,6 @@ impl CpuWorld {
                     shared: self.shared.clone(),
                     rank,
                     index: self.shared.config.index(rank),
-                    nanos: AtomicU64::new(0),
                 }) as Arc<dyn Collectives>
             })
             .collect()
@@ -170,6 +167,17 @@ impl CpuWorld {
         self.shared.wake.notify_all();
     }
 
+    /// Seconds each rank (worker index) spent inside collectives since the world was created,
+    /// waiting for the other ranks included: on a CPU, where ranks share cores, the cost of
+    /// splitting a step.
+    pub fn seconds_in_collectives(&self) -> Vec<f64> {
+        self.shared
+            .nanos
+            .iter()
+            .map(|n| n.load(Ordering::Relaxed) as f64 * 1e-9)
+            .collect()
+    }
+
     /// Whether a rank aborted since the last reset, and why.
     pub fn aborted(&self) -> Option<String> {
         self.shared.lock().aborted.clone()
@@ -182,14 +190,13 @@ struct CpuRank {
     shared: Arc<WorldShared>,
     rank: RankId,
     index: usize,
-    nanos: AtomicU64,
 }
 
 impl CpuRank {
     fn timed<T>(&self, f: impl FnOnce() -> Result<T, ParallelError>) -> Result<T, ParallelError> {
         let start = Instant::now();
         let out = f();
-        self.nanos
+        self.shared.nanos[self.index]
             .fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
         out
     }
@@ -361,10 +368,6 @@ impl Collectives for CpuRank {
             ));
         }
         self.shared.wake.notify_all();
-    }
-
-    fn seconds_in_collectives(&self) -> f64 {
-        self.nanos.load(Ordering::Relaxed) as f64 * 1e-9
     }
 }
 

@@ -51,6 +51,12 @@ pub struct ServeArgs {
     /// Element type of the KV cache: f32, f16 or bf16.
     #[arg(long, env = "TANDEM_KV_CACHE_DTYPE", default_value = "f32")]
     pub kv_cache_dtype: String,
+    /// Order inside a KV cache block: `token_major` (`[tokens, heads, head_dim]`) or
+    /// `head_major` (`[heads, tokens, head_dim]`: each head's rows contiguous). P/D between
+    /// instances that split the KV heads differently (another `--tensor-parallel-size`, or
+    /// replicated heads) moves single heads, which needs `head_major` on both sides.
+    #[arg(long, env = "TANDEM_KV_CACHE_LAYOUT", default_value = "token_major")]
+    pub kv_cache_layout: String,
     /// Tokens per KV cache block.
     #[arg(long, env = "TANDEM_BLOCK_SIZE", default_value_t = 16)]
     pub block_size: usize,

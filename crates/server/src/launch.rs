@@ -7,13 +7,13 @@ use anyhow::{bail, Context};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use tandem_engine::debug_fault::ENGINE_FAULT_ENV;
 use tandem_engine::detokenizer::Detokenize;
-use tandem_engine::model_worker::ModelWorker;
+use tandem_engine::model_worker::{ModelWorker, RankWorker};
 use tandem_engine::ParallelWorker;
 use tandem_engine::{
     EngineFault, EngineHandle, FaultyWorker, KvChecksumConfig, KvLoadFailurePolicy, Scheduler,
     SchedulerConfig, Worker, WorkerGrid,
 };
-use tandem_kv_cache::{CacheDtype, KvCacheConfig, KvCacheManager, KvStorage};
+use tandem_kv_cache::{CacheDtype, KvCacheConfig, KvCacheManager, KvStorage, LayoutOrder};
 use tandem_kv_connector::auth::{TransferAuth, SECRET_ENV};
 use tandem_kv_connector::base::{KvConnectorScheduler, KvConnectorWorker, NoopConnector};
 use tandem_kv_connector::config::{KvMode, KvTransferConfig, LoadFailurePolicy};
@@ -144,12 +144,18 @@ pub fn build_instance(
             args.block_size
         );
     }
+    let kv_order = match args.kv_cache_layout.as_str() {
+        "token_major" => LayoutOrder::TokenMajor,
+        "head_major" => LayoutOrder::HeadMajor,
+        other => bail!("--kv-cache-layout `{other}`: expected token_major or head_major"),
+    };
     let parallel = ParallelConfig::new(args.tensor_parallel_size, args.pipeline_parallel_size)
         .context("--tensor-parallel-size / --pipeline-parallel-size")?;
-    if transfer.is_some() && !parallel.is_single() {
+    if transfer.as_ref().is_some_and(|t| t.kv_mode() == KvMode::Push) && !parallel.is_single() {
         bail!(
-            "P/D (--kv-transfer-config) with --tensor-parallel-size or --pipeline-parallel-size \
-             above 1 is not supported yet: run P/D instances with TP 1 and PP 1"
+            "push mode (NixlPushConnector) with --tensor-parallel-size or \
+             --pipeline-parallel-size above 1 is not supported: use pull mode (NixlConnector), \
+             which pairs any TP and PP layouts"
         );
     }
     let (format, spec) = load_format(args)?;
@@ -210,7 +216,9 @@ pub fn build_instance(
     }
     let storages = rank_groups
         .into_iter()
-        .map(|groups| KvStorage::new(&KvCacheConfig { num_blocks, groups }).map(Arc::new))
+        .map(|groups| {
+            KvStorage::with_order(&KvCacheConfig { num_blocks, groups }, kv_order).map(Arc::new)
+        })
         .collect::<Result<Vec<_>, _>>()?;
     let kv_cache_bytes: usize = storages.iter().map(|s| s.total_bytes()).sum();
     metrics::gauge!(tandem_engine::metrics::CACHE_CONFIG_INFO,
@@ -236,7 +244,7 @@ pub fn build_instance(
     let tok = Arc::new(Tokenizer(tokenizer.clone()));
     let mut names = args.served_model_name.clone();
     if names.is_empty() {
-        names.push(args.model.clone());
+        names.push(spec.clone());
     }
     let auth = transfer_auth(args, transfer.as_ref())?;
     let (connector_sched, connector_worker, kv_routes): ConnectorParts = match &transfer {
@@ -244,9 +252,11 @@ pub fn build_instance(
         Some(cfg) => {
             let (s, w, peer, admission) = match cfg.kv_mode() {
                 KvMode::Pull => {
-                    nixl_pull_connector(cfg, &names[0], args.block_size, args.port, auth)
-                        .context("--kv-transfer-config")?
-                        .into_parts()
+                    let mut parts =
+                        nixl_pull_connector(cfg, &names[0], args.block_size, args.port, auth)
+                            .context("--kv-transfer-config")?;
+                    parts.scheduler.set_tp_size(parallel.tp);
+                    parts.into_parts()
                 }
                 KvMode::Push => {
                     nixl_push_connector(cfg, &names[0], args.block_size, args.port, auth)
@@ -288,7 +298,14 @@ pub fn build_instance(
         let checksums =
             KvChecksumConfig::from_transfer_config(cfg).context("--kv-transfer-config")?;
         let on = scheduler
-            .enable_kv_checksums(&checksums, &groups_for_checksums, WorkerGrid::default())
+            .enable_kv_checksums(
+                &checksums,
+                &groups_for_checksums,
+                WorkerGrid {
+                    tp_size: parallel.tp as u32,
+                    pp_size: parallel.pp as u32,
+                },
+            )
             .context("--kv-transfer-config")?;
         // The scheduler logs the settings when they are on.
         if !on {
@@ -306,11 +323,14 @@ pub fn build_instance(
             let ranks = models
                 .into_iter()
                 .zip(storages)
-                .map(|(model, storage)| {
-                    ModelWorker::new(model, storage, args.block_size, Box::new(NoopConnector))
-                })
+                .map(|(model, storage)| RankWorker::new(model, storage, args.block_size))
                 .collect::<Result<Vec<_>, _>>()?;
-            Box::new(ParallelWorker::new(parallel, ranks, world)?)
+            Box::new(ParallelWorker::new(
+                parallel,
+                ranks,
+                world,
+                connector_worker,
+            )?)
         }
     };
     if let Some(fault) = fault {

@@ -31,9 +31,11 @@ use nixl_sys::{
 use tandem_kv_cache::{BlockLayout, KvPart, KvStorage, MemoryRegion};
 
 use super::descriptors::{DescTable, RegionGeometry};
+use super::pairing::{pair_layers, Pairing};
 use super::handshake::{HandshakeMismatch, LayerInfo, NixlHandshake, RegionInfo};
 use super::library::{load_nixl, NixlLibrary};
 use super::nixl_err;
+use crate::base::RankKvCaches;
 use crate::config::KvMode;
 use crate::error::KvConnectorError;
 
@@ -92,16 +94,38 @@ impl NixlAgentConfig {
 /// 10 ms 0.5%, with the same one-block READ latency).
 pub const DEFAULT_PROGRESS_DELAY_US: u64 = 10_000;
 
-/// One layer of the memory an agent registers: its layout, name, and its K and V arrays.
+/// One layer of the memory an agent registers: its layout, name, its K and V arrays, and the
+/// worker and model heads it belongs to.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KvLayerMemory {
     pub name: String,
     pub layout: BlockLayout,
     pub k: MemoryRegion,
     pub v: MemoryRegion,
+    pub tp_rank: usize,
+    pub pp_rank: usize,
+    /// The model's KV heads of this cache, in its order.
+    pub kv_heads: Vec<u32>,
+    pub kv_replica: u32,
 }
 
-/// The layers of a storage, in storage order.
+/// The layers of every worker's storage, worker by worker, each in storage order.
+pub fn rank_layers(ranks: &[RankKvCaches]) -> Vec<KvLayerMemory> {
+    ranks
+        .iter()
+        .flat_map(|r| {
+            storage_layers(&r.storage).into_iter().map(|l| KvLayerMemory {
+                tp_rank: r.tp_rank,
+                pp_rank: r.pp_rank,
+                kv_heads: r.kv_heads.clone(),
+                kv_replica: r.kv_replica,
+                ..l
+            })
+        })
+        .collect()
+}
+
+/// The layers of a storage, in storage order (of the only worker: every head).
 pub fn storage_layers(storage: &KvStorage) -> Vec<KvLayerMemory> {
     let regions = storage.regions();
     (0..storage.num_layers())
@@ -112,11 +136,16 @@ pub fn storage_layers(storage: &KvStorage) -> Vec<KvLayerMemory> {
                     .find(|r| r.layer == layer && r.part == part)
                     .expect("KvStorage::regions covers K and V of every layer")
             };
+            let layout = storage.layout(layer);
             KvLayerMemory {
                 name: storage.layer_name(layer).to_string(),
-                layout: storage.layout(layer),
+                layout,
                 k: find(KvPart::K),
                 v: find(KvPart::V),
+                tp_rank: 0,
+                pp_rank: 0,
+                kv_heads: (0..layout.num_kv_heads as u32).collect(),
+                kv_replica: 0,
             }
         })
         .collect()
@@ -169,7 +198,7 @@ pub(crate) struct LocalSide {
     registrations: Vec<RegistrationHandle>,
     pub(crate) table: DescTable,
     pub(crate) agent: Agent,
-    _memory: Option<Arc<KvStorage>>,
+    _memory: Vec<Arc<KvStorage>>,
 }
 
 // SAFETY: the prepared list handle is immutable after creation and only passed to NIXL calls,
@@ -228,6 +257,11 @@ pub(crate) struct PeerEntry {
     pub(crate) block_size: usize,
     metadata: Vec<u8>,
     pub(crate) table: DescTable,
+    /// How our regions pair with the peer's, when our blocks are a multiple of its (we can move
+    /// bytes with it); `None` otherwise.
+    pub(crate) pairing: Option<Pairing>,
+    /// The peer's memory in smaller units, by units per block (unit pairings).
+    split: Mutex<HashMap<usize, Arc<SplitList>>>,
     agent: Agent,
 }
 
@@ -239,11 +273,29 @@ impl PeerEntry {
     pub(crate) fn dlist(&self) -> &XferDlistHandle {
         self.dlist.as_ref().expect("present until drop")
     }
+
+    /// The peer's memory as `units` units per block, prepared once per count.
+    pub(crate) fn split_list(&self, units: usize) -> Result<Arc<SplitList>, KvConnectorError> {
+        let mut lists = self.split.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(l) = lists.get(&units) {
+            return Ok(l.clone());
+        }
+        let table = self.table.split(units)?;
+        let dlist = prepare_dlist(&self.agent, &self.name, &table)
+            .map_err(|e| nixl_err("peer split descriptor list preparation", e))?;
+        let list = Arc::new(SplitList { dlist, table });
+        lists.insert(units, list.clone());
+        Ok(list)
+    }
 }
 
 impl Drop for PeerEntry {
     fn drop(&mut self) {
         drop(self.dlist.take());
+        self.split
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
         if let Err(e) = self.agent.invalidate_remote_md(&self.name) {
             tracing::debug!(peer = %self.name, error = %e, "invalidating NIXL peer metadata failed");
         }
@@ -294,9 +346,21 @@ impl NixlAgent {
     /// Creates an agent over `storage` (kept alive by the agent and its transfers), registering
     /// every layer's K and V arrays.
     pub fn new(config: NixlAgentConfig, storage: Arc<KvStorage>) -> Result<Self, KvConnectorError> {
-        let layers = storage_layers(&storage);
-        // SAFETY: the agent and its transfers hold `storage`, so the memory outlives them.
-        unsafe { Self::create(config, layers, Some(storage)) }
+        Self::for_ranks(config, vec![RankKvCaches::whole(storage)])
+    }
+
+    /// Creates one agent over every worker's storage of an instance (TP x PP: one agent per
+    /// process), registering each layer's K and V arrays of each worker.
+    pub fn for_ranks(
+        mut config: NixlAgentConfig,
+        ranks: Vec<RankKvCaches>,
+    ) -> Result<Self, KvConnectorError> {
+        let layers = rank_layers(&ranks);
+        config.tp_size = ranks.iter().map(|r| r.tp_rank + 1).max().unwrap_or(1);
+        config.tp_rank = 0;
+        let memory = ranks.into_iter().map(|r| r.storage).collect();
+        // SAFETY: the agent and its transfers hold every storage, so the memory outlives them.
+        unsafe { Self::create(config, layers, memory) }
     }
 
     /// Creates an agent over memory the caller owns.
@@ -310,13 +374,13 @@ impl NixlAgent {
         layers: Vec<KvLayerMemory>,
     ) -> Result<Self, KvConnectorError> {
         // SAFETY: forwarded to the caller.
-        unsafe { Self::create(config, layers, None) }
+        unsafe { Self::create(config, layers, Vec::new()) }
     }
 
     unsafe fn create(
         config: NixlAgentConfig,
         layers: Vec<KvLayerMemory>,
-        memory: Option<Arc<KvStorage>>,
+        memory: Vec<Arc<KvStorage>>,
     ) -> Result<Self, KvConnectorError> {
         if layers.is_empty() {
             return Err(KvConnectorError::InvalidRegions("no layers".into()));
@@ -345,7 +409,13 @@ impl NixlAgent {
                 addr: r.addr as u64,
                 len: r.len as u64,
             };
-            infos.push(LayerInfo::new(&l.name, &l.layout, info(l.k), info(l.v)));
+            infos.push(LayerInfo {
+                tp_rank: l.tp_rank,
+                pp_rank: l.pp_rank,
+                kv_heads: l.kv_heads.clone(),
+                kv_replica: l.kv_replica,
+                ..LayerInfo::new(&l.name, &l.layout, info(l.k), info(l.v))
+            });
         }
         let table = DescTable::new(geometry)?;
 
@@ -490,18 +560,31 @@ impl NixlAgent {
             }
         }
         let table = DescTable::new(geometry)?;
-        // Different block sizes (checked compatible above) pair in the smaller one.
+        // Different block sizes (checked compatible above) pair in the smaller one; different
+        // parallel layouts pair by layer name and model head.
         let ours = self.block_size();
-        if ours >= peer.block_size {
-            self.local
-                .table
-                .split(ours / peer.block_size)?
-                .check_pairs_with(&table)?;
+        let pairing = if ours >= peer.block_size {
+            let pairing = pair_layers(&self.layers, &peer.layers, ours, peer.block_size).map_err(
+                |mismatch| KvConnectorError::IncompatiblePeer {
+                    engine_id: peer.engine_id.clone(),
+                    mismatch,
+                },
+            )?;
+            if pairing == Pairing::Regions {
+                self.local
+                    .table
+                    .split(ours / peer.block_size)?
+                    .check_pairs_with(&table)?;
+            }
+            Some(pairing)
         } else {
-            self.local
-                .table
-                .check_pairs_with(&table.split(peer.block_size / ours)?)?;
-        }
+            if peer.layers.len() == self.layers.len() {
+                self.local
+                    .table
+                    .check_pairs_with(&table.split(peer.block_size / ours)?)?;
+            }
+            None
+        };
 
         let loaded = self
             .agent
@@ -536,6 +619,8 @@ impl NixlAgent {
                 block_size: peer.block_size,
                 metadata: peer.agent_metadata.clone(),
                 table,
+                pairing,
+                split: Mutex::new(HashMap::new()),
                 agent: self.agent.clone(),
             }),
         );

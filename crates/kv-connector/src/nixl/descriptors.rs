@@ -13,6 +13,7 @@
 
 use std::collections::HashSet;
 
+use super::pairing::UnitPairing;
 use crate::error::KvConnectorError;
 
 /// Which side of a transfer a block id belongs to.
@@ -244,6 +245,105 @@ pub fn plan_transfer(
     Ok(plan)
 }
 
+/// Plans a transfer at unit grain ([`UnitPairing`]): `local` is our table split into
+/// `pairing.local_units()` units per block, `remote` the peer's split into
+/// `pairing.remote_units`. Ids are as in [`plan_transfer`]: `local_ids[i]` (in the peer's block
+/// size, so sub-block `id % ratio` of our block `id / ratio`) pairs with `remote_ids[i]`.
+pub fn plan_unit_transfer(
+    local: &DescTable,
+    remote: &DescTable,
+    pairing: &UnitPairing,
+    local_ids: &[usize],
+    remote_ids: &[usize],
+    dest: Side,
+) -> Result<TransferPlan, KvConnectorError> {
+    if local_ids.len() != remote_ids.len() {
+        return Err(KvConnectorError::BlockCountMismatch {
+            local: local_ids.len(),
+            remote: remote_ids.len(),
+        });
+    }
+    let (k, lu, ru) = (pairing.ratio, pairing.local_units(), pairing.remote_units);
+    let local_blocks = local.num_blocks() / lu * k;
+    let remote_blocks = remote.num_blocks() / ru;
+    if let Some(&block) = local_ids.iter().find(|&&b| b >= local_blocks) {
+        return Err(KvConnectorError::BlockOutOfRange {
+            side: Side::Local,
+            block,
+            num_blocks: local_blocks,
+        });
+    }
+    if let Some(&block) = remote_ids.iter().find(|&&b| b >= remote_blocks) {
+        return Err(KvConnectorError::BlockOutOfRange {
+            side: Side::Remote,
+            block,
+            num_blocks: remote_blocks,
+        });
+    }
+    let dest_ids = match dest {
+        Side::Local => local_ids,
+        Side::Remote => remote_ids,
+    };
+    let mut seen = HashSet::with_capacity(dest_ids.len());
+    if let Some(&block) = dest_ids.iter().find(|&&b| !seen.insert(b)) {
+        return Err(KvConnectorError::DuplicateBlock { side: dest, block });
+    }
+    // (local index, remote index, bytes, region pair)
+    let mut pairs: Vec<(i32, i32, usize, (usize, usize))> =
+        Vec::with_capacity(local_ids.len() * pairing.maps.len());
+    for m in &pairing.maps {
+        let (lr, rr) = (
+            local.regions.get(m.local_region),
+            remote.regions.get(m.remote_region),
+        );
+        let (Some(lr), Some(rr)) = (lr, rr) else {
+            return Err(KvConnectorError::InvalidRegions(format!(
+                "unit map {m:?} names a region outside the tables"
+            )));
+        };
+        if lr.block_bytes != rr.block_bytes {
+            return Err(KvConnectorError::InvalidRegions(format!(
+                "local region {} units of {} bytes, remote region {} units of {} bytes",
+                m.local_region, lr.block_bytes, m.remote_region, rr.block_bytes
+            )));
+        }
+        for (&l, &r) in local_ids.iter().zip(remote_ids) {
+            let local_unit = (l / k) * lu + m.local_head * k + l % k;
+            let remote_unit = r * ru + m.remote_unit;
+            pairs.push((
+                local.index(m.local_region, local_unit),
+                remote.index(m.remote_region, remote_unit),
+                lr.block_bytes,
+                (m.local_region, m.remote_region),
+            ));
+        }
+    }
+    // Source order maximises runs that are consecutive on both sides.
+    match dest {
+        Side::Local => pairs.sort_unstable_by_key(|p| (p.1, p.0)),
+        Side::Remote => pairs.sort_unstable_by_key(|p| (p.0, p.1)),
+    }
+    let mut plan = TransferPlan {
+        local_indices: Vec::with_capacity(pairs.len()),
+        remote_indices: Vec::with_capacity(pairs.len()),
+        bytes: 0,
+        blocks: local_ids.len(),
+        descriptors: 0,
+    };
+    let mut prev: Option<(i32, i32, (usize, usize))> = None;
+    for (l, r, bytes, regions) in pairs {
+        plan.local_indices.push(l);
+        plan.remote_indices.push(r);
+        plan.bytes += bytes as u64;
+        let merges = prev.is_some_and(|(pl, pr, pg)| pg == regions && l == pl + 1 && r == pr + 1);
+        if !merges {
+            plan.descriptors += 1;
+        }
+        prev = Some((l, r, regions));
+    }
+    Ok(plan)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -285,6 +385,49 @@ mod tests {
         assert_eq!(&p.remote_indices[..4], &[2, 3, 4, 9]);
         assert_eq!(p.local_indices[4], 8 + 5);
         assert_eq!(p.remote_indices[4], 10 + 2);
+    }
+
+    #[test]
+    fn unit_plans_read_each_head_from_its_region() {
+        use crate::nixl::pairing::UnitMap;
+        // local: 2 regions (K, V) of 4 blocks of 3 heads x 16 bytes; remote: 3 ranks x (K, V),
+        // 1 head each, 6 blocks of 16 bytes
+        let local = table(2, 4, 48).split(3).unwrap();
+        let remote = table(6, 6, 16);
+        let maps = (0..3)
+            .flat_map(|h| {
+                [0, 1].map(|part| UnitMap {
+                    local_region: part,
+                    local_head: h,
+                    remote_region: 2 * h + part,
+                    remote_unit: 0,
+                })
+            })
+            .collect();
+        let pairing = UnitPairing {
+            ratio: 1,
+            local_heads: 3,
+            remote_units: 1,
+            maps,
+        };
+        let p = plan_unit_transfer(&local, &remote, &pairing, &[2, 3], &[4, 5], Side::Local)
+            .unwrap();
+        assert_eq!(p.bytes, 2 * 2 * 3 * 16);
+        assert_eq!(p.local_indices.len(), 12);
+        // head 1 of local block 2 (K) <- rank 1's K (region 2) block 4
+        let i = p
+            .remote_indices
+            .iter()
+            .position(|&r| r == remote.index(2, 4))
+            .unwrap();
+        assert_eq!(p.local_indices[i], local.index(0, 2 * 3 + 1));
+        // consecutive blocks 4,5 on the peer land in units 2*3+h, 3*3+h: not consecutive locally
+        assert_eq!(p.descriptors, 12);
+        assert!(plan_unit_transfer(&local, &remote, &pairing, &[4], &[0], Side::Local).is_err());
+        assert!(plan_unit_transfer(&local, &remote, &pairing, &[0], &[6], Side::Local).is_err());
+        assert!(
+            plan_unit_transfer(&local, &remote, &pairing, &[1, 1], &[0, 2], Side::Local).is_err()
+        );
     }
 
     #[test]

@@ -20,8 +20,9 @@ use crate::error::KvConnectorError;
 
 /// Version of this handshake and of the transfer protocol behind it (the connector version);
 /// bump on any change of meaning. Peers with different versions never connect, so neither side
-/// misreads the other's notifications. 2: push mode (`kv_mode`, the push notifications).
-pub const HANDSHAKE_PROTOCOL_VERSION: u32 = 2;
+/// misreads the other's notifications. 2: push mode (`kv_mode`, the push notifications). 3: the
+/// layers of every TP rank and pipeline stage of an instance, with the model heads each holds.
+pub const HANDSHAKE_PROTOCOL_VERSION: u32 = 3;
 
 /// One contiguous array (a layer's K or V) of a peer, as its process sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -49,6 +50,17 @@ pub struct LayerInfo {
     pub kernel_block_size: usize,
     pub k: RegionInfo,
     pub v: RegionInfo,
+    /// The worker holding this cache: its TP rank and pipeline stage (0 for TP 1, PP 1).
+    #[serde(default)]
+    pub tp_rank: usize,
+    #[serde(default)]
+    pub pp_rank: usize,
+    /// The model's KV heads this cache holds, in its order (empty: `0..num_kv_heads`).
+    #[serde(default)]
+    pub kv_heads: Vec<u32>,
+    /// Which copy of those heads it is, when TP exceeds the KV heads (0 otherwise).
+    #[serde(default)]
+    pub kv_replica: u32,
 }
 
 impl LayerInfo {
@@ -66,6 +78,10 @@ impl LayerInfo {
             kernel_block_size: layout.kernel_block_size,
             k,
             v,
+            tp_rank: 0,
+            pp_rank: 0,
+            kv_heads: (0..layout.num_kv_heads as u32).collect(),
+            kv_replica: 0,
         }
     }
 }
@@ -99,9 +115,17 @@ pub struct NixlHandshake {
     pub num_layers: usize,
     pub tp_rank: usize,
     pub tp_size: usize,
+    /// Pipeline stages of the instance.
+    #[serde(default = "one")]
+    pub pp_size: usize,
+    /// Every rank's layers (rank by rank, each in storage order).
     pub layers: Vec<LayerInfo>,
     /// [`compat_hash`] of this handshake's fields, as `0x` and 16 hex digits.
     pub compat_hash: String,
+}
+
+fn one() -> usize {
+    1
 }
 
 /// Why a peer's handshake does not match ours.
@@ -189,8 +213,20 @@ impl NixlHandshake {
             num_layers,
             tp_rank,
             tp_size,
+            pp_size: layers.iter().map(|l| l.pp_rank + 1).max().unwrap_or(1),
             layers,
         }
+    }
+
+    /// Whether `peer` describes the same regions as ours (same layer names and heads, in the
+    /// same order): the one-to-one case, compared field by field.
+    fn same_regions(&self, peer: &NixlHandshake) -> bool {
+        self.layers.len() == peer.layers.len()
+            && self
+                .layers
+                .iter()
+                .zip(&peer.layers)
+                .all(|(a, b)| a.name == b.name && a.kv_heads == b.kv_heads)
     }
 
     /// The same handshake for a connector in `mode`.
@@ -318,7 +354,8 @@ impl NixlHandshake {
             });
         }
         let same_blocks = peer.block_size == self.block_size;
-        if !same_blocks {
+        let same_layout = (self.tp_size, self.pp_size) == (peer.tp_size, peer.pp_size);
+        if !same_blocks && same_layout {
             let (big, small) = if peer.block_size > self.block_size {
                 (peer.block_size, self.block_size)
             } else {
@@ -335,6 +372,25 @@ impl NixlHandshake {
                     theirs: peer.block_size,
                 });
             }
+        }
+        if !self.same_regions(peer) && (self.tp_size, self.pp_size) != (peer.tp_size, peer.pp_size)
+        {
+            // Different parallel layouts: every cache of the side with the larger blocks (the
+            // one that moves the bytes) must find its heads among the other's.
+            let (mover, other) = if self.block_size >= peer.block_size {
+                (self, peer)
+            } else {
+                (peer, self)
+            };
+            return match super::pairing::pair_layers(
+                &mover.layers,
+                &other.layers,
+                mover.block_size,
+                other.block_size,
+            ) {
+                Ok(_) => Ok(()),
+                Err(m) => fail(m),
+            };
         }
         if peer.num_layers != self.num_layers {
             return fail(HandshakeMismatch::LayerCount {

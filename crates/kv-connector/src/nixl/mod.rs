@@ -7,6 +7,8 @@
 //! - [`handshake`]: [`NixlHandshake`], what instances exchange before a transfer, and the
 //!   compatibility check.
 //! - [`descriptors`]: block → descriptor index geometry and the plan of one transfer.
+//! - [`pairing`]: which of a peer's regions and heads feed which of ours when the two instances
+//!   split the model differently (TP, PP, replicated heads).
 //! - [`transfer`]: [`NixlAgent::read_blocks`] / [`NixlAgent::write_blocks`], [`TransferHandle`].
 //!
 //! Invariant: nothing here knows about requests or the scheduler; callers pass block ids they own
@@ -16,6 +18,7 @@ pub mod agent;
 pub mod descriptors;
 pub mod handshake;
 pub mod library;
+pub mod pairing;
 pub mod transfer;
 
 pub use agent::{

@@ -19,7 +19,8 @@ use nixl_sys::{OptArgs, XferOp, XferRequest, XferStatus};
 
 use super::agent::{LocalSide, NixlAgent, PeerEntry};
 use super::descriptors::Side;
-use super::descriptors::{plan_transfer, TransferPlan};
+use super::descriptors::{plan_transfer, plan_unit_transfer};
+use super::pairing::Pairing;
 use crate::error::KvConnectorError;
 
 /// Direction of a transfer, seen from the initiator.
@@ -265,13 +266,31 @@ impl NixlAgent {
             TransferOp::Write => Side::Remote,
         };
         let ratio = self.transfer_ratio(&peer.name)?;
-        let split = match ratio {
-            1 => None,
-            k => Some(self.local.split_list(k)?),
+        // The lists and index plan of this peer's pairing (see `pairing.rs`).
+        let (local_split, remote_split, plan) = match &peer.pairing {
+            Some(Pairing::Units(units)) => {
+                let local = self.local.split_list(units.local_units())?;
+                let remote = peer.split_list(units.remote_units)?;
+                let plan = plan_unit_transfer(
+                    &local.table,
+                    &remote.table,
+                    units,
+                    local_ids,
+                    remote_ids,
+                    dest,
+                )?;
+                (Some(local), Some(remote), plan)
+            }
+            _ => {
+                let local = match ratio {
+                    1 => None,
+                    k => Some(self.local.split_list(k)?),
+                };
+                let local_table = local.as_ref().map_or(&self.local.table, |s| &s.table);
+                let plan = plan_transfer(local_table, &peer.table, local_ids, remote_ids, dest)?;
+                (local, None, plan)
+            }
         };
-        let local_table = split.as_ref().map_or(&self.local.table, |s| &s.table);
-        let plan: TransferPlan =
-            plan_transfer(local_table, &peer.table, local_ids, remote_ids, dest)?;
         let started = Instant::now();
         let failed = |reason: String| KvConnectorError::TransferFailed {
             op: op.name(),
@@ -312,9 +331,9 @@ impl NixlAgent {
             .agent
             .make_xfer_req(
                 xop,
-                split.as_ref().map_or(self.local.dlist(), |s| &s.dlist),
+                local_split.as_ref().map_or(self.local.dlist(), |s| &s.dlist),
                 &plan.local_indices,
-                peer.dlist(),
+                remote_split.as_ref().map_or(peer.dlist(), |s| &s.dlist),
                 &plan.remote_indices,
                 Some(&opt),
             )

@@ -143,6 +143,7 @@ pub fn nixl_pull_connector(
             http_port,
             kv_lease_duration: extra.kv_lease_duration,
             auth: shared.auth.clone(),
+            tp_size: 1,
         },
         lease_table.clone(),
     )?;

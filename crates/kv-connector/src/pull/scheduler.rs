@@ -40,7 +40,7 @@ use crate::base::{
 };
 use crate::config::{KvMode, KvRole};
 use crate::error::KvConnectorError;
-use crate::params::{RemotePrefill, TransferRequest, SUPPORTED_TP_SIZE};
+use crate::params::{RemotePrefill, TransferRequest};
 
 /// What the scheduler side needs to know about its instance.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -55,6 +55,9 @@ pub struct PullSchedulerConfig {
     pub kv_lease_duration: Duration,
     /// The deployment secret: a producer signs the params it answers with it.
     pub auth: Option<TransferAuth>,
+    /// This instance's tensor-parallel size, answered as `tp_size` (informational: the
+    /// handshake says how the producer's KV is split).
+    pub tp_size: usize,
 }
 
 /// Request counts the scheduler side still tracks (all zero when idle).
@@ -115,6 +118,11 @@ impl NixlPullScheduler {
     /// The table this side issues leases into.
     pub fn lease_table(&self) -> &LeaseTable {
         &self.lease_table
+    }
+
+    /// Sets the `tp_size` the producer answers (its tensor-parallel size).
+    pub fn set_tp_size(&mut self, tp_size: usize) {
+        self.config.tp_size = tp_size;
     }
 
     pub fn config(&self) -> &PullSchedulerConfig {
@@ -202,8 +210,8 @@ impl KvConnectorScheduler for NixlPullScheduler {
         request: &ConnectorRequest<'_>,
         num_computed_tokens: usize,
     ) -> Result<MatchedTokens, KvConnectorError> {
-        let remote = match self.parse(request)? {
-            TransferRequest::Consumer(remote) => remote,
+        match self.parse(request)? {
+            TransferRequest::Consumer(_) => {}
             TransferRequest::Producer if !self.config.role.is_producer() => {
                 tracing::warn!(request = %request.external_id, role = self.config.role.as_str(),
                     "do_remote_decode on an instance that is not a producer; serving it locally");
@@ -213,13 +221,12 @@ impl KvConnectorScheduler for NixlPullScheduler {
             | TransferRequest::Producer
             | TransferRequest::PushProducer { .. }
             | TransferRequest::PushConsumer(_) => return Ok(MatchedTokens::default()),
-        };
+        }
         if !self.config.role.is_consumer() {
             tracing::warn!(request = %request.external_id, role = self.config.role.as_str(),
                 "do_remote_prefill on an instance that is not a consumer; prefilling locally");
             return Ok(MatchedTokens::default());
         }
-        debug_assert_eq!(remote.tp_size, SUPPORTED_TP_SIZE);
         Ok(remote_prompt_tokens(
             request,
             num_computed_tokens,
@@ -345,7 +352,7 @@ impl KvConnectorScheduler for NixlPullScheduler {
                     remote_block_ids: block_ids[..n].to_vec(),
                     remote_host: self.config.side_channel_host.clone(),
                     remote_port: self.config.http_port,
-                    tp_size: SUPPORTED_TP_SIZE,
+                    tp_size: self.config.tp_size as u64,
                     remote_block_size: Some(bs),
                 };
                 let deadline = Instant::now() + self.config.kv_lease_duration;
@@ -385,6 +392,7 @@ mod tests {
             http_port: 8100,
             kv_lease_duration: Duration::from_secs(30),
             auth: None,
+            tp_size: 1,
         })
         .unwrap()
     }

@@ -29,7 +29,7 @@ use super::loader::{LoadJob, LoadOutcome, Loader, LoaderConfig};
 use super::protocol::{LoadKind, LoadSpec, PullMetadata, PullNotif};
 use super::HandshakeProvider;
 use crate::auth::TransferAuth;
-use crate::base::{ConnectorMetadata, ConnectorOutput, KvConnectorWorker};
+use crate::base::{ConnectorMetadata, ConnectorOutput, KvConnectorWorker, RankKvCaches};
 use crate::config::KvRole;
 use crate::error::KvConnectorError;
 use crate::nixl::{NixlAgent, NixlAgentConfig};
@@ -53,18 +53,18 @@ pub struct PullWorkerConfig {
 }
 
 impl PullWorkerConfig {
-    /// Creates the worker's agent over `storage` and publishes its handshake; with
+    /// Creates the worker's agent over every worker's storage and publishes its handshake; with
     /// `loader_fault` (the transfer thread's fault, if any) also spawns the transfer thread,
     /// which drains notifications while idle when the agent has no progress thread and
     /// `drain_when_idle` (nobody else drains them).
     pub(crate) fn start(
         &self,
-        storage: Arc<KvStorage>,
+        ranks: Vec<RankKvCaches>,
         handshake: &HandshakeProvider,
         loader_fault: Option<Option<TransportFault>>,
         drain_when_idle: bool,
     ) -> Result<(Arc<NixlAgent>, Option<Loader>), KvConnectorError> {
-        let agent = Arc::new(NixlAgent::new(self.agent.clone(), storage)?);
+        let agent = Arc::new(NixlAgent::for_ranks(self.agent.clone(), ranks)?);
         handshake.publish(agent.handshake()?.to_json());
         let loader = match loader_fault {
             None => None,
@@ -369,6 +369,18 @@ impl NixlPullWorker {
 
 impl KvConnectorWorker for NixlPullWorker {
     fn register_kv_caches(&mut self, storage: Arc<KvStorage>) -> Result<(), KvConnectorError> {
+        self.register_rank_kv_caches(vec![RankKvCaches::whole(storage)])
+    }
+
+    /// One agent over every worker's caches; a source-corruption fault corrupts the first
+    /// worker's copy only.
+    fn register_rank_kv_caches(
+        &mut self,
+        ranks: Vec<RankKvCaches>,
+    ) -> Result<(), KvConnectorError> {
+        let Some(storage) = ranks.first().map(|r| r.storage.clone()) else {
+            return Err(KvConnectorError::InvalidConfig("no KV caches to register".into()));
+        };
         if self.agent.is_some() {
             return Err(KvConnectorError::InvalidConfig(
                 "KV caches are already registered with this connector".into(),
@@ -400,7 +412,7 @@ impl KvConnectorWorker for NixlPullWorker {
             }
         }
         let (agent, loader) = self.config.start(
-            storage,
+            ranks,
             &self.handshake,
             self.config.role.is_consumer().then_some(
                 self.config

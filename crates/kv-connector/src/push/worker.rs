@@ -34,7 +34,7 @@ use tandem_kv_cache::KvStorage;
 
 use super::protocol::{PushMetadata, PushNotif, PushSpec, RegisterSpec, Registration};
 use super::registry::PushRegistry;
-use crate::base::{ConnectorMetadata, ConnectorOutput, KvConnectorWorker};
+use crate::base::{ConnectorMetadata, ConnectorOutput, KvConnectorWorker, RankKvCaches};
 use crate::error::KvConnectorError;
 use crate::nixl::NixlAgent;
 use crate::pull::fault::{SplitMix, TransportFault, TransportFaultKind};
@@ -527,7 +527,7 @@ impl KvConnectorWorker for NixlPushWorker {
         }
         // A consumer's notifications are drained by `get_finished`, never by the thread.
         let (agent, loader) = self.config.start(
-            storage,
+            vec![RankKvCaches::whole(storage)],
             &self.handshake,
             Some(fault.filter(|f: &TransportFault| f.kind == TransportFaultKind::WrongBlock)),
             !self.config.role.is_consumer(),

@@ -62,7 +62,11 @@ async fn greedy_all(server: &Server, max_tokens: usize) -> Vec<(Vec<u64>, Vec<f6
 
 /// Greedy ids of `got` equal `want`'s up to a near-tie flip (then the comparison of that prompt
 /// stops); returns the number of matched tokens.
-fn assert_same_answers(want: &[(Vec<u64>, Vec<f64>)], got: &[(Vec<u64>, Vec<f64>)], what: &str) -> usize {
+fn assert_same_answers(
+    want: &[(Vec<u64>, Vec<f64>)],
+    got: &[(Vec<u64>, Vec<f64>)],
+    what: &str,
+) -> usize {
     let mut matched = 0;
     for (i, ((w, margins), (g, _))) in want.iter().zip(got).enumerate() {
         match w.iter().zip(g).position(|(a, b)| a != b) {
@@ -104,11 +108,17 @@ async fn tp3_and_pp2_instances_answer_as_tp1_and_free_every_block() {
         let server = Server::serve(&args);
         let got = greedy_all(&server, 16).await;
         let matched = assert_same_answers(&want, &got, &format!("TP {tp} PP {pp}"));
-        assert!(matched >= 80, "TP {tp} PP {pp}: {matched} of 96 tokens matched");
+        assert!(
+            matched >= 80,
+            "TP {tp} PP {pp}: {matched} of 96 tokens matched"
+        );
         wait_all_free(&[&server]).await;
         let log = server.log_text();
         assert!(log.contains(&format!("tp={tp} pp={pp}")), "{log}");
-        let last = [("tp_rank", "2"), ("pp_rank", if pp == "2" { "1" } else { "0" })];
+        let last = [
+            ("tp_rank", "2"),
+            ("pp_rank", if pp == "2" { "1" } else { "0" }),
+        ];
         let waited = server
             .metric("tandem:parallel_collective_seconds", &last)
             .await
@@ -130,11 +140,21 @@ async fn a_dummy_model_with_replicated_kv_heads_serves_at_tp4() {
     )
     .unwrap();
     let config = config.to_str().unwrap();
-    let base = ["--load-format", "dummy", "--model-config", config, "--dtype", "f32"];
+    let base = [
+        "--load-format",
+        "dummy",
+        "--model-config",
+        config,
+        "--dtype",
+        "f32",
+    ];
     let tp1 = Server::start("serve", &base, &[]);
     let (st, models) = get_json(&tp1.base, "/v1/models").await;
     assert_eq!(st, 200);
-    assert_eq!(models["data"][0]["id"], "gqa-8x2", "the config's stem names it");
+    assert_eq!(
+        models["data"][0]["id"], "gqa-8x2",
+        "the config's stem names it"
+    );
     let want = greedy_all(&tp1, 12).await;
     drop(tp1);
     let mut args = base.to_vec();
@@ -172,7 +192,10 @@ fn refused(args: &[&str]) -> String {
 fn layouts_and_flags_that_cannot_work_are_refused_at_startup() {
     require_model();
     let e = refused(&["--tensor-parallel-size", "2"]);
-    assert!(e.contains("attention heads (9)") && e.contains("(2)"), "{e}");
+    assert!(
+        e.contains("attention heads (9)") && e.contains("(2)"),
+        "{e}"
+    );
     let e = refused(&["--tensor-parallel-size", "0"]);
     assert!(e.contains("at least 1"), "{e}");
     let e = refused(&["--pipeline-parallel-size", "31"]);

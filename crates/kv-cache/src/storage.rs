@@ -316,9 +316,13 @@ mod tests {
         assert_eq!(s.layout(0).order, LayoutOrder::HeadMajor);
         // tokens 0..4 of block 1 (slots 4..8), head h of token t holds 100 t + 10 h + d/8
         let row = |t: usize, h: usize| -> Vec<f32> {
-            (0..8).map(|d| (100 * t + 10 * h) as f32 + d as f32 / 8.0).collect()
+            (0..8)
+                .map(|d| (100 * t + 10 * h) as f32 + d as f32 / 8.0)
+                .collect()
         };
-        let k: Vec<f32> = (0..4).flat_map(|t| [row(t, 0), row(t, 1)].concat()).collect();
+        let k: Vec<f32> = (0..4)
+            .flat_map(|t| [row(t, 0), row(t, 1)].concat())
+            .collect();
         let v: Vec<f32> = k.iter().map(|x| -x).collect();
         s.write_slots(0, &[4, 5, 6, 7], &k, &v).unwrap();
         let view = s.layer(0).unwrap();
@@ -326,7 +330,9 @@ mod tests {
         let mut back = vec![0f32; kb.len() / 4];
         CacheDtype::F32.decode(kb, &mut back);
         // head 0's four rows, then head 1's
-        let want: Vec<f32> = (0..2).flat_map(|h| (0..4).flat_map(move |t| row(t, h))).collect();
+        let want: Vec<f32> = (0..2)
+            .flat_map(|h| (0..4).flat_map(move |t| row(t, h)))
+            .collect();
         assert_eq!(back, want);
         CacheDtype::F32.decode(vb, &mut back);
         assert_eq!(back, want.iter().map(|x| -x).collect::<Vec<_>>());

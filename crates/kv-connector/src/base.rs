@@ -394,8 +394,7 @@ pub trait KvConnectorWorker: Send {
                 self.register_kv_caches(one.storage)
             }
             _ => Err(KvConnectorError::InvalidConfig(
-                "this connector does not move the KV of several workers (TP or PP above 1)"
-                    .into(),
+                "this connector does not move the KV of several workers (TP or PP above 1)".into(),
             )),
         }
     }

@@ -526,7 +526,11 @@ mod tests {
             ),
             (without("tp_size"), 33, "tp_size is missing"),
             (with("tp_size", json!(0)), 33, "tp_size 0 is out of range"),
-            (with("tp_size", json!(5000)), 33, "tp_size 5000 is out of range"),
+            (
+                with("tp_size", json!(5000)),
+                33,
+                "tp_size 5000 is out of range",
+            ),
         ];
         for (v, prompt_len, needle) in cases {
             match parse(&v, prompt_len) {

@@ -151,7 +151,11 @@ pub fn build_instance(
     };
     let parallel = ParallelConfig::new(args.tensor_parallel_size, args.pipeline_parallel_size)
         .context("--tensor-parallel-size / --pipeline-parallel-size")?;
-    if transfer.as_ref().is_some_and(|t| t.kv_mode() == KvMode::Push) && !parallel.is_single() {
+    if transfer
+        .as_ref()
+        .is_some_and(|t| t.kv_mode() == KvMode::Push)
+        && !parallel.is_single()
+    {
         bail!(
             "push mode (NixlPushConnector) with --tensor-parallel-size or \
              --pipeline-parallel-size above 1 is not supported: use pull mode (NixlConnector), \

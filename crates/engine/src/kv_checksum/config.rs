@@ -129,7 +129,8 @@ fn one() -> f64 {
 /// load gets the fault with probability `p` (default 1), drawn from an RNG seeded with `s`
 /// (default 0). `block_position` (`corrupt_byte` only) puts the byte in the request's block `b`
 /// (counted from the prompt's first block) instead of a random loaded block; a load that does
-/// not hold block `b` is left alone.
+/// not hold block `b` is left alone. `tp_rank` (TP instances) corrupts only that TP rank's copy
+/// of the load (with replicated KV heads: one replica only); by default every rank's.
 #[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FaultInjection {
@@ -140,6 +141,8 @@ pub struct FaultInjection {
     pub seed: u64,
     #[serde(default)]
     pub block_position: Option<usize>,
+    #[serde(default)]
+    pub tp_rank: Option<u32>,
 }
 
 impl FaultInjection {
@@ -149,7 +152,7 @@ impl FaultInjection {
             EngineError::InvalidConfig(format!(
                 "kv_fault_injection: {e} (expected {{\"kind\": \"corrupt_byte\" | \"swap_blocks\" | \
                  \"stale_blocks\" | \"drop_checksums\" | \"malform_checksums\", \"probability\": p, \
-                 \"seed\": s, \"block_position\": b}})"
+                 \"seed\": s, \"block_position\": b, \"tp_rank\": r}})"
             ))
         })?;
         if !(0.0..=1.0).contains(&f.probability) {
@@ -177,6 +180,8 @@ pub struct BlockFault {
     pub seed: u64,
     /// The block position to corrupt, instead of a random one.
     pub block_position: Option<usize>,
+    /// Only this TP rank's workers inject it (all when `None`).
+    pub tp_rank: Option<u32>,
 }
 
 #[cfg(test)]

@@ -241,6 +241,7 @@ mod tests {
                         kind,
                         seed: 3,
                         block_position: None,
+                        tp_rank: None,
                     },
                 )
             };
@@ -274,6 +275,7 @@ mod tests {
                     kind: FaultKind::CorruptByte,
                     seed,
                     block_position: Some(position),
+                    tp_rank: None,
                 };
                 let what = unsafe { inject(&s, &req, fault) }.expect("a loaded position");
                 assert!(what.contains(&format!("(position {position})")), "{what}");
@@ -296,6 +298,7 @@ mod tests {
             kind: FaultKind::CorruptByte,
             seed: 1,
             block_position: Some(0),
+            tp_rank: None,
         };
         assert_eq!(unsafe { inject(&s, &req, fault) }, None);
         assert_eq!(before, snapshot(&s));

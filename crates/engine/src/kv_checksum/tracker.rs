@@ -206,6 +206,7 @@ impl ChecksumTracker {
                 kind: f.kind,
                 seed: rng.next_u64(),
                 block_position: f.block_position,
+                tp_rank: f.tp_rank,
             })
         });
         let generation = self.generation();

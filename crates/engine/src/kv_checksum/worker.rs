@@ -174,7 +174,10 @@ impl ChecksumWorker {
             if connector.failed_recving.contains_key(id) {
                 continue; // a failed load is not compared
             }
-            if let Some(f) = job.fault {
+            let this_rank = |f: &super::config::BlockFault| {
+                f.tp_rank.is_none_or(|r| r == self.setup.worker().tp_rank)
+            };
+            if let Some(f) = job.fault.filter(this_rank) {
                 // SAFETY: the connector reported the load finished, and the request runs again
                 // only after the scheduler's verdict: nothing else touches its blocks now.
                 if let Some(what) = unsafe { fault::inject(&self.storage, &job.blocks, f) } {

@@ -31,10 +31,10 @@ use nixl_sys::{
 use tandem_kv_cache::{BlockLayout, KvPart, KvStorage, MemoryRegion};
 
 use super::descriptors::{DescTable, RegionGeometry};
-use super::pairing::{pair_layers, Pairing};
 use super::handshake::{HandshakeMismatch, LayerInfo, NixlHandshake, RegionInfo};
 use super::library::{load_nixl, NixlLibrary};
 use super::nixl_err;
+use super::pairing::{pair_layers, Pairing};
 use crate::base::RankKvCaches;
 use crate::config::KvMode;
 use crate::error::KvConnectorError;
@@ -114,13 +114,15 @@ pub fn rank_layers(ranks: &[RankKvCaches]) -> Vec<KvLayerMemory> {
     ranks
         .iter()
         .flat_map(|r| {
-            storage_layers(&r.storage).into_iter().map(|l| KvLayerMemory {
-                tp_rank: r.tp_rank,
-                pp_rank: r.pp_rank,
-                kv_heads: r.kv_heads.clone(),
-                kv_replica: r.kv_replica,
-                ..l
-            })
+            storage_layers(&r.storage)
+                .into_iter()
+                .map(|l| KvLayerMemory {
+                    tp_rank: r.tp_rank,
+                    pp_rank: r.pp_rank,
+                    kv_heads: r.kv_heads.clone(),
+                    kv_replica: r.kv_replica,
+                    ..l
+                })
         })
         .collect()
 }

@@ -410,8 +410,8 @@ mod tests {
             remote_units: 1,
             maps,
         };
-        let p = plan_unit_transfer(&local, &remote, &pairing, &[2, 3], &[4, 5], Side::Local)
-            .unwrap();
+        let p =
+            plan_unit_transfer(&local, &remote, &pairing, &[2, 3], &[4, 5], Side::Local).unwrap();
         assert_eq!(p.bytes, 2 * 2 * 3 * 16);
         assert_eq!(p.local_indices.len(), 12);
         // head 1 of local block 2 (K) <- rank 1's K (region 2) block 4

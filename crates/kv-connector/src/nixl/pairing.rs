@@ -110,7 +110,9 @@ pub fn pair_layers(
     let mut holders: HashMap<(&str, u32), (usize, usize, u32)> = HashMap::new();
     for (i, l) in remote.iter().enumerate() {
         for (unit, &h) in heads(l).iter().enumerate() {
-            let entry = holders.entry((l.name.as_str(), h)).or_insert((i, unit, l.kv_replica));
+            let entry = holders
+                .entry((l.name.as_str(), h))
+                .or_insert((i, unit, l.kv_replica));
             if l.kv_replica < entry.2 {
                 *entry = (i, unit, l.kv_replica);
             }
@@ -134,7 +136,12 @@ pub fn pair_layers(
     for (li, l) in local.iter().enumerate() {
         let want = heads(l);
         if all_head_major && l.num_kv_heads != local_heads {
-            return Err(mismatch(li, "num_kv_heads", l.num_kv_heads.to_string(), "the same on every rank".into()));
+            return Err(mismatch(
+                li,
+                "num_kv_heads",
+                l.num_kv_heads.to_string(),
+                "the same on every rank".into(),
+            ));
         }
         for (local_head, h) in want.iter().enumerate() {
             let Some(&(ri, unit, _)) = holders.get(&(l.name.as_str(), *h)) else {
@@ -147,7 +154,12 @@ pub fn pair_layers(
             };
             let r = &remote[ri];
             if all_head_major && r.num_kv_heads != remote_units {
-                return Err(mismatch(li, "num_kv_heads", "the same on every peer rank".into(), r.num_kv_heads.to_string()));
+                return Err(mismatch(
+                    li,
+                    "num_kv_heads",
+                    "the same on every peer rank".into(),
+                    r.num_kv_heads.to_string(),
+                ));
             }
             for (field, o, t) in [
                 ("head_dim", l.head_dim.to_string(), r.head_dim.to_string()),
@@ -215,15 +227,29 @@ mod tests {
     use tandem_kv_cache::{BlockLayout, CacheDtype, LayoutOrder};
 
     /// One rank's layers `layers` with model heads `kv_heads` (replica `replica`).
-    fn rank(layers: std::ops::Range<usize>, kv_heads: &[u32], replica: u32, bs: usize, order: LayoutOrder) -> Vec<LayerInfo> {
+    fn rank(
+        layers: std::ops::Range<usize>,
+        kv_heads: &[u32],
+        replica: u32,
+        bs: usize,
+        order: LayoutOrder,
+    ) -> Vec<LayerInfo> {
         layers
             .map(|i| {
                 let layout = BlockLayout {
                     order,
                     ..BlockLayout::token_major(8, bs, kv_heads.len(), 4, CacheDtype::F32)
                 };
-                let region = RegionInfo { addr: 0x1000, len: layout.total_bytes() as u64 };
-                let mut l = LayerInfo::new(&format!("model.layers.{i}.self_attn"), &layout, region, region);
+                let region = RegionInfo {
+                    addr: 0x1000,
+                    len: layout.total_bytes() as u64,
+                };
+                let mut l = LayerInfo::new(
+                    &format!("model.layers.{i}.self_attn"),
+                    &layout,
+                    region,
+                    region,
+                );
                 l.kv_heads = kv_heads.to_vec();
                 l.kv_replica = replica;
                 l
@@ -244,10 +270,17 @@ mod tests {
     fn tp1_reads_each_head_from_the_tp3_rank_holding_it() {
         let local = rank(0..2, &[0, 1, 2], 0, 16, HM);
         let remote: Vec<_> = (0..3).flat_map(|r| rank(0..2, &[r], 0, 16, HM)).collect();
-        let Pairing::Units(p) = pair_layers(&local, &remote, 16, 16).unwrap() else { panic!() };
+        let Pairing::Units(p) = pair_layers(&local, &remote, 16, 16).unwrap() else {
+            panic!()
+        };
         assert_eq!((p.local_units(), p.remote_units), (3, 1));
         // local layer 1 V (region 3), head 2 <- rank 2's layer 1 V: remote layer index 2*2+1
-        assert!(p.maps.contains(&UnitMap { local_region: 3, local_head: 2, remote_region: 2 * 5 + 1, remote_unit: 0 }));
+        assert!(p.maps.contains(&UnitMap {
+            local_region: 3,
+            local_head: 2,
+            remote_region: 2 * 5 + 1,
+            remote_unit: 0
+        }));
         assert_eq!(p.maps.len(), 2 * 2 * 3);
         assert_eq!(p.remote_regions(), 12);
     }
@@ -255,26 +288,46 @@ mod tests {
     #[test]
     fn replicated_peer_heads_are_read_from_replica_0() {
         // peer TP 4 with 2 KV heads: ranks 0,1 hold head 0 (replicas 0,1), ranks 2,3 head 1
-        let remote: Vec<_> = (0..4u32).flat_map(|r| rank(0..1, &[r / 2], r % 2, 16, HM)).collect();
+        let remote: Vec<_> = (0..4u32)
+            .flat_map(|r| rank(0..1, &[r / 2], r % 2, 16, HM))
+            .collect();
         let local = rank(0..1, &[0, 1], 0, 16, HM);
-        let Pairing::Units(p) = pair_layers(&local, &remote, 16, 16).unwrap() else { panic!() };
+        let Pairing::Units(p) = pair_layers(&local, &remote, 16, 16).unwrap() else {
+            panic!()
+        };
         let k_maps: Vec<_> = p.maps.iter().filter(|m| m.local_region == 0).collect();
         assert_eq!(k_maps[0].remote_region, 0, "head 0 from rank 0");
         assert_eq!(k_maps[1].remote_region, 4, "head 1 from rank 2 (replica 0)");
         // and the other way: each TP 4 rank reads its head from the TP 1 peer
         let local = rank(0..1, &[1], 1, 16, HM);
-        let Pairing::Units(p) = pair_layers(&local, &rank(0..1, &[0, 1], 0, 16, HM), 16, 16).unwrap() else { panic!() };
-        assert_eq!(p.maps[0], UnitMap { local_region: 0, local_head: 0, remote_region: 0, remote_unit: 1 });
+        let Pairing::Units(p) =
+            pair_layers(&local, &rank(0..1, &[0, 1], 0, 16, HM), 16, 16).unwrap()
+        else {
+            panic!()
+        };
+        assert_eq!(
+            p.maps[0],
+            UnitMap {
+                local_region: 0,
+                local_head: 0,
+                remote_region: 0,
+                remote_unit: 1
+            }
+        );
     }
 
     #[test]
     fn different_head_splits_need_head_major_and_every_head_found() {
         let local = rank(0..2, &[0, 1, 2], 0, 16, TM);
         let remote: Vec<_> = (0..3).flat_map(|r| rank(0..2, &[r], 0, 16, TM)).collect();
-        let e = pair_layers(&local, &remote, 16, 16).unwrap_err().to_string();
+        let e = pair_layers(&local, &remote, 16, 16)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("head_major"), "{e}");
         let local = rank(0..3, &[0], 0, 16, HM);
-        let e = pair_layers(&local, &rank(0..2, &[0], 0, 16, HM), 16, 16).unwrap_err().to_string();
+        let e = pair_layers(&local, &rank(0..2, &[0], 0, 16, HM), 16, 16)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("model.layers.2.self_attn head 0"), "{e}");
         assert!(pair_layers(&local, &rank(0..3, &[0], 0, 32, HM), 16, 32).is_err());
     }
@@ -282,8 +335,14 @@ mod tests {
     #[test]
     fn pipeline_splits_pair_token_major_layers_by_name() {
         let local = rank(0..4, &[0, 1, 2], 0, 32, TM);
-        let remote: Vec<_> = [rank(0..2, &[0, 1, 2], 0, 16, TM), rank(2..4, &[0, 1, 2], 0, 16, TM)].concat();
-        let Pairing::Units(p) = pair_layers(&local, &remote, 32, 16).unwrap() else { panic!() };
+        let remote: Vec<_> = [
+            rank(0..2, &[0, 1, 2], 0, 16, TM),
+            rank(2..4, &[0, 1, 2], 0, 16, TM),
+        ]
+        .concat();
+        let Pairing::Units(p) = pair_layers(&local, &remote, 32, 16).unwrap() else {
+            panic!()
+        };
         assert_eq!((p.ratio, p.local_heads, p.remote_units), (2, 1, 1));
         assert_eq!(p.maps.len(), 8);
         assert!(p.maps.iter().all(|m| m.local_region == m.remote_region));

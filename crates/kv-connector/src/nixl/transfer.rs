@@ -331,7 +331,9 @@ impl NixlAgent {
             .agent
             .make_xfer_req(
                 xop,
-                local_split.as_ref().map_or(self.local.dlist(), |s| &s.dlist),
+                local_split
+                    .as_ref()
+                    .map_or(self.local.dlist(), |s| &s.dlist),
                 &plan.local_indices,
                 remote_split.as_ref().map_or(peer.dlist(), |s| &s.dlist),
                 &plan.remote_indices,

@@ -379,7 +379,9 @@ impl KvConnectorWorker for NixlPullWorker {
         ranks: Vec<RankKvCaches>,
     ) -> Result<(), KvConnectorError> {
         let Some(storage) = ranks.first().map(|r| r.storage.clone()) else {
-            return Err(KvConnectorError::InvalidConfig("no KV caches to register".into()));
+            return Err(KvConnectorError::InvalidConfig(
+                "no KV caches to register".into(),
+            ));
         };
         if self.agent.is_some() {
             return Err(KvConnectorError::InvalidConfig(

@@ -660,6 +660,7 @@ impl Setup {
             probability: 1.0,
             seed: 11,
             block_position: None,
+            tp_rank: None,
         });
         self
     }
@@ -1575,6 +1576,7 @@ fn fault_injection_fires_with_its_probability_and_seed() {
                 probability: 0.5,
                 seed,
                 block_position: None,
+                tp_rank: None,
             });
             let mut c = Instance::new("c", &cs, &fabric);
             for i in 0..12 {

@@ -36,7 +36,7 @@ enum Command {
         #[arg(long, env = "TANDEM_CONFIG")]
         config: Option<PathBuf>,
         #[command(flatten)]
-        args: ServeArgs,
+        args: Box<ServeArgs>,
     },
     /// Route requests to prefill and decode instances.
     Proxy {
@@ -171,7 +171,7 @@ fn main() -> anyhow::Result<()> {
                 .enable_all()
                 .build()
                 .context("starting the async runtime")?;
-            rt.block_on(tandem_server::launch::serve(args))
+            rt.block_on(tandem_server::launch::serve(*args))
         }
         Command::Health { args } => {
             let rt = tokio::runtime::Builder::new_current_thread()

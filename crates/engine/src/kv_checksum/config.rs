@@ -202,11 +202,14 @@ mod tests {
                 probability: 0.5,
                 seed: 7,
                 block_position: None,
+                tp_rank: None,
             }
         );
-        let f = FaultInjection::from_json(&json!({"kind": "corrupt_byte", "block_position": 3}))
-            .unwrap();
-        assert_eq!(f.block_position, Some(3));
+        let f = FaultInjection::from_json(
+            &json!({"kind": "corrupt_byte", "block_position": 3, "tp_rank": 1}),
+        )
+        .unwrap();
+        assert_eq!((f.block_position, f.tp_rank), (Some(3), Some(1)));
         let f = FaultInjection::from_json(&json!({"kind": "stale_blocks"})).unwrap();
         assert_eq!((f.probability, f.seed), (1.0, 0));
         for bad in [

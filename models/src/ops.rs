@@ -48,6 +48,21 @@ pub fn silu_mul(gate_up: &[f32], n: usize) -> Vec<f32> {
     out
 }
 
+/// `gate_up` holds rows `[gate (n), up (n)]`; returns rows of `gelu_tanh(gate) * up` (`n` wide),
+/// GELU in its tanh approximation (PyTorch's `gelu(approximate="tanh")`, Gemma's activation).
+pub fn gelu_tanh_mul(gate_up: &[f32], n: usize) -> Vec<f32> {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    let mut out = Vec::with_capacity(gate_up.len() / 2);
+    for row in gate_up.chunks_exact(2 * n) {
+        let (g, u) = row.split_at(n);
+        out.extend(g.iter().zip(u).map(|(&g, &u)| {
+            let inner = SQRT_2_OVER_PI * (g + 0.044_715 * g * g * g);
+            0.5 * g * (1.0 + inner.tanh()) * u
+        }));
+    }
+    out
+}
+
 /// `x += y`, element-wise.
 pub fn add_assign(x: &mut [f32], y: &[f32]) {
     for (a, b) in x.iter_mut().zip(y) {

@@ -30,6 +30,7 @@ use crate::gguf::GgufFile;
 /// stop ids in addition to the declared EOS.
 const END_OF_TURN_TOKENS: &[&str] = &[
     "<|im_end|>",
+    "<end_of_turn>",
     "<|endoftext|>",
     "<|eot_id|>",
     "<|eom_id|>",
@@ -100,42 +101,136 @@ fn pre_tokenizer_for(pre: &str) -> Result<PreTokenizerWrapper, ModelError> {
     })
 }
 
+/// GGUF `gpt2`: byte-level BPE with the file's merges and llama.cpp's pre-tokenizer.
+fn byte_level_bpe(g: &GgufFile, tokens: &[String]) -> Result<Tokenizer, ModelError> {
+    let merges: Vec<(String, String)> = g
+        .str_array("tokenizer.ggml.merges")?
+        .into_iter()
+        .map(|m| {
+            m.split_once(' ')
+                .map(|(a, b)| (a.to_owned(), b.to_owned()))
+                .ok_or_else(|| ModelError::format(format!("bad merge `{m}`")))
+        })
+        .collect::<Result<_, _>>()?;
+    let vocab: tokenizers::models::bpe::Vocab = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), i as u32))
+        .collect();
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .build()
+        .map_err(tok_err)?;
+    let mut inner = Tokenizer::new(bpe);
+    let pre = g.opt_str("tokenizer.ggml.pre").unwrap_or("default");
+    inner.with_pre_tokenizer(Some(pre_tokenizer_for(pre)?));
+    inner.with_decoder(Some(ByteLevel::default()));
+    Ok(inner)
+}
+
+/// The SentencePiece word boundary, as pieces spell a space.
+const SPIECE_SPACE: &str = "\u{2581}";
+
+/// GGUF `llama` (SentencePiece BPE, e.g. Gemma): spaces become `▁`, pieces merge by the score of
+/// the merged piece, unknown characters fall back to `<0xNN>` byte tokens; as transformers
+/// builds it from the same metadata. The file has scores, not merges: every piece that splits
+/// into two pieces of the vocabulary yields a merge, ranked by the whole piece's score (higher
+/// first; among one piece's splits, by the two halves' scores), ties in vocabulary order.
+fn sentencepiece_bpe(g: &GgufFile, tokens: &[String]) -> Result<Tokenizer, ModelError> {
+    use std::cmp::Ordering;
+    use std::collections::HashMap;
+    use tokenizers::decoders::byte_fallback::ByteFallback;
+    use tokenizers::decoders::fuse::Fuse;
+    use tokenizers::decoders::sequence::Sequence as DecoderSequence;
+    use tokenizers::normalizers::replace::Replace;
+    use tokenizers::DecoderWrapper;
+
+    if g.opt_bool("tokenizer.ggml.add_space_prefix")
+        .unwrap_or(false)
+    {
+        return Err(ModelError::Unsupported(
+            "a SentencePiece GGUF tokenizer with add_space_prefix (Llama 2 style)".into(),
+        ));
+    }
+    let scores = g.f32_array("tokenizer.ggml.scores")?;
+    if scores.len() != tokens.len() {
+        return Err(ModelError::format(format!(
+            "{} tokenizer scores for {} tokens",
+            scores.len(),
+            tokens.len()
+        )));
+    }
+    let score_of: HashMap<&str, f32> = tokens
+        .iter()
+        .zip(&scores)
+        .map(|(t, &s)| (t.as_str(), s))
+        .collect();
+    let desc = |a: f32, b: f32| b.partial_cmp(&a).unwrap_or(Ordering::Equal);
+    // (whole piece's score, left score, right score, left, right)
+    let mut merges: Vec<(f32, f32, f32, &str, &str)> = Vec::new();
+    for (piece, &score) in tokens.iter().zip(&scores) {
+        let start = merges.len();
+        for (at, _) in piece.char_indices().skip(1) {
+            let (l, r) = piece.split_at(at);
+            if let (Some(&sl), Some(&sr)) = (score_of.get(l), score_of.get(r)) {
+                merges.push((score, sl, sr, l, r));
+            }
+        }
+        merges[start..].sort_by(|a, b| desc(a.1, b.1).then(desc(a.2, b.2)));
+    }
+    // stable: ties keep vocabulary order, and within a piece the order above
+    merges.sort_by(|a, b| desc(a.0, b.0));
+    let merges: Vec<(String, String)> = merges
+        .into_iter()
+        .map(|m| (m.3.to_owned(), m.4.to_owned()))
+        .collect();
+    let vocab: tokenizers::models::bpe::Vocab = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), i as u32))
+        .collect();
+    let mut builder = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .fuse_unk(true)
+        .byte_fallback(true);
+    if let Some(unk) = g
+        .opt_usize("tokenizer.ggml.unknown_token_id")
+        .and_then(|i| tokens.get(i).cloned())
+    {
+        builder = builder.unk_token(unk);
+    }
+    let mut inner = Tokenizer::new(builder.build().map_err(tok_err)?);
+    inner
+        .with_normalizer(Some(Replace::new(" ", SPIECE_SPACE).map_err(tok_err)?))
+        .map_err(tok_err)?;
+    let decoders: Vec<DecoderWrapper> = vec![
+        Replace::new(SPIECE_SPACE, " ").map_err(tok_err)?.into(),
+        ByteFallback::default().into(),
+        Fuse::default().into(),
+    ];
+    inner.with_decoder(Some(DecoderSequence::new(decoders)));
+    Ok(inner)
+}
+
 impl TextTokenizer {
     /// Builds the tokenizer from GGUF metadata (`tokenizer.ggml.*`, `tokenizer.chat_template`).
     pub fn from_gguf(g: &GgufFile) -> Result<Self, ModelError> {
         let model = g.str("tokenizer.ggml.model")?;
-        if model != "gpt2" {
-            return Err(ModelError::Unsupported(format!(
-                "GGUF tokenizer model `{model}` (only byte-level BPE `gpt2` is built from GGUF \
-                 metadata; use a Hugging Face directory with tokenizer.json)"
-            )));
-        }
         let tokens = g.str_array("tokenizer.ggml.tokens")?;
-        let merges: Vec<(String, String)> = g
-            .str_array("tokenizer.ggml.merges")?
-            .into_iter()
-            .map(|m| {
-                m.split_once(' ')
-                    .map(|(a, b)| (a.to_owned(), b.to_owned()))
-                    .ok_or_else(|| ModelError::format(format!("bad merge `{m}`")))
-            })
-            .collect::<Result<_, _>>()?;
+        let mut inner = match model {
+            "gpt2" => byte_level_bpe(g, &tokens)?,
+            "llama" => sentencepiece_bpe(g, &tokens)?,
+            other => {
+                return Err(ModelError::Unsupported(format!(
+                    "GGUF tokenizer model `{other}` (built from GGUF metadata: byte-level BPE \
+                     `gpt2` and SentencePiece `llama`; or use a Hugging Face directory with \
+                     tokenizer.json)"
+                )))
+            }
+        };
         let types = g
             .opt_int_array("tokenizer.ggml.token_type")
             .unwrap_or_else(|| vec![1; tokens.len()]);
-        let vocab: tokenizers::models::bpe::Vocab = tokens
-            .iter()
-            .enumerate()
-            .map(|(i, t)| (t.clone(), i as u32))
-            .collect();
-        let bpe = BPE::builder()
-            .vocab_and_merges(vocab, merges)
-            .build()
-            .map_err(tok_err)?;
-        let mut inner = Tokenizer::new(bpe);
-        let pre = g.opt_str("tokenizer.ggml.pre").unwrap_or("default");
-        inner.with_pre_tokenizer(Some(pre_tokenizer_for(pre)?));
-        inner.with_decoder(Some(ByteLevel::default()));
         let special: Vec<AddedToken> = tokens
             .iter()
             .zip(&types)
@@ -162,8 +257,12 @@ impl TextTokenizer {
             i.and_then(|i| tokens.get(i as usize).cloned())
                 .unwrap_or_default()
         };
-        let chat_template = g
-            .opt_str("tokenizer.chat_template")
+        // Gemma 3's GGUF has no template: its turn format is built in.
+        let template = g.opt_str("tokenizer.chat_template").or_else(|| {
+            (g.opt_str("general.architecture") == Some("gemma3"))
+                .then_some(crate::gemma3::CHAT_TEMPLATE)
+        });
+        let chat_template = template
             .map(|src| ChatTemplate::new(src, &name_of(bos_id), &name_of(eos_ids.first().copied())))
             .transpose()?;
         Self::assemble(inner, bos_id, add_bos, eos_ids, chat_template)

@@ -24,7 +24,36 @@ fn greedy_f32_matches_transformers() {
     let Some(m) = common::load(WeightMode::F32) else {
         return;
     };
-    let fx = fixture("reference_greedy.json");
+    check_against_reference(&m, "reference_greedy.json", FLIP_MARGIN, LOGIT_TOLERANCE);
+}
+
+/// Gemma 3 270M: prompts shorter and much longer than its 512-token sliding window (up to ~2k
+/// tokens). A flip is accepted where the reference's top-two margin is under 0.1.
+#[test]
+fn gemma3_greedy_f32_matches_transformers() {
+    let Some(m) = common::load_named("gemma3-270m", WeightMode::F32) else {
+        return;
+    };
+    check_against_reference(
+        &m,
+        "gemma3_reference_greedy.json",
+        0.1,
+        GEMMA3_LOGIT_TOLERANCE,
+    );
+}
+
+/// Measured: 6.9e-5 over every matched step (transformers 5.24, torch 2.15).
+const GEMMA3_LOGIT_TOLERANCE: f32 = 2e-3;
+
+/// Tokenizes the fixture's prompts as the reference did, decodes them greedily in one batch
+/// (chunked prefill mixed with decode) and compares ids and top-1 logits.
+fn check_against_reference(
+    m: &tandem_models::LoadedModel,
+    fixture_name: &str,
+    flip_margin: f32,
+    logit_tolerance: f32,
+) {
+    let fx = fixture(fixture_name);
     let cases = fx["cases"].as_array().unwrap();
     assert!(cases.len() >= 10);
     let new_tokens = fx["meta"]["new_tokens"].as_u64().unwrap() as usize;
@@ -82,9 +111,9 @@ fn greedy_f32_matches_transformers() {
             None => exact += 1,
             Some(s) => {
                 assert!(
-                    margins[s] < FLIP_MARGIN,
+                    margins[s] < flip_margin,
                     "case {i} ({:?}): diverged at step {s} (ours {}, reference {}) where the \
-                     reference's top-two margin is {} >= {FLIP_MARGIN}\nours:      {:?}\nreference: {:?}",
+                     reference's top-two margin is {} >= {flip_margin}\nours:      {:?}\nreference: {:?}",
                     c["prompt"].as_str().unwrap().chars().take(40).collect::<String>(),
                     got[s],
                     want[s],
@@ -94,7 +123,7 @@ fn greedy_f32_matches_transformers() {
                 );
                 eprintln!(
                     "ACCEPTED FLIP: case {i} diverges at step {s} (ours {}, reference {}) where the \
-                     reference's top-two margin is {:.2e} < {FLIP_MARGIN}; compared steps 0..{s} only",
+                     reference's top-two margin is {:.2e} < {flip_margin}; compared steps 0..{s} only",
                     got[s], want[s], margins[s]
                 );
             }
@@ -105,5 +134,5 @@ fn greedy_f32_matches_transformers() {
          reference's top-1 token: {max_dev:.2e}",
         cases.len()
     );
-    assert!(max_dev < LOGIT_TOLERANCE, "logits deviate by {max_dev}");
+    assert!(max_dev < logit_tolerance, "logits deviate by {max_dev}");
 }

@@ -51,6 +51,51 @@ fn gguf_tokenizer_matches_transformers() {
     );
 }
 
+/// Gemma 3's SentencePiece tokenizer, built from the GGUF's pieces and scores, against
+/// transformers' for the same file; its chat template (built in: the GGUF has none) rendered
+/// as transformers renders the same template.
+#[test]
+fn gemma3_gguf_tokenizer_matches_transformers() {
+    let Some(m) = common::load_named("gemma3-270m", WeightMode::Q8_0) else {
+        return;
+    };
+    let tok = &m.tokenizer;
+    let g = fixture("gemma3_tokenizer_golden.json");
+    for e in g["encode"].as_array().unwrap() {
+        let text = e["text"].as_str().unwrap();
+        let want = ids(&e["ids"]);
+        assert_eq!(tok.encode(text, true).unwrap(), want, "encode {text:?}");
+        assert_eq!(
+            tok.decode(&want, false).unwrap(),
+            e["decoded"].as_str().unwrap(),
+            "decode {text:?}"
+        );
+    }
+    for c in g["chat"].as_array().unwrap() {
+        let msgs: Vec<ChatMessage> = serde_json::from_value(c["messages"].clone()).unwrap();
+        let add = c["add_generation_prompt"].as_bool().unwrap();
+        assert_eq!(
+            tok.apply_chat_template(&msgs, add).unwrap(),
+            c["text"].as_str().unwrap()
+        );
+    }
+    assert_eq!(
+        tok.bos_token_id(),
+        Some(g["bos_token_id"].as_u64().unwrap() as u32)
+    );
+    assert!(tok.adds_bos());
+    assert!(tok
+        .eos_token_ids()
+        .contains(&(g["eos_token_id"].as_u64().unwrap() as u32)));
+    // a turn ends generation
+    let end_of_turn = tok.token_to_id("<end_of_turn>").expect("<end_of_turn>");
+    assert!(
+        tok.stop_token_ids().contains(&end_of_turn),
+        "{:?}",
+        tok.stop_token_ids()
+    );
+}
+
 #[test]
 fn incremental_detokenizer_streams_exactly_the_decoded_text() {
     let Some(m) = common::load(WeightMode::Q8_0) else {

@@ -2,8 +2,9 @@
 """Regenerates the reference fixtures of the models crate from Hugging Face transformers.
 
     python scripts/reference/make_fixture.py [--gguf .models/SmolLM2-135M-Instruct.Q4_1.gguf]
+    python scripts/reference/make_fixture.py --arch gemma3   (.models/gemma-3-270m-q4_k_m.gguf)
 
-Writes, under models/tests/fixtures/:
+Writes, under models/tests/fixtures/ (prefixed `gemma3_` for --arch gemma3):
 - reference_greedy.json: for each prompt (chat-templated or raw text), the prompt ids and
   transformers' greedy continuation (32 new tokens, EOS not treated specially), with the
   reference's top-two logit margin at every generated step;
@@ -36,6 +37,23 @@ CHAT_PROMPTS = [
      {"role": "user", "content": "And an insect?"}],
     [{"role": "user", "content": "Translate 'good morning' into Spanish and German."}],
 ]
+
+# Gemma 3's GGUF carries no chat template; Tandem supplies this one (models/src/gemma3.rs), and
+# the fixture renders the chats with it through transformers' own jinja renderer.
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% set system = namespace(text='') %}{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{% set system.text = m['content'] + '\n\n' %}"
+    "{% else %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{{ system.text }}{{ m['content'] | trim }}<end_of_turn>\n{% set system.text = '' %}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+# Prompts around and far beyond Gemma 3's 512-token sliding window (up to ~2k tokens).
+LONG_PARAGRAPH = (
+    "A lighthouse keeper's log, day after day, records the weather, the ships that passed and "
+    "the small repairs that keep the lamp turning. The entries are short and rarely change: "
+    "wind from the west, a trawler at dawn, oil for the mechanism, a cracked pane replaced. "
+)
 
 RAW_PROMPTS = [
     "The quick brown fox",
@@ -100,12 +118,22 @@ def greedy(model, ids):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--gguf", default=os.path.join(ROOT, ".models", "SmolLM2-135M-Instruct.Q4_1.gguf"))
+    ap.add_argument("--arch", default="llama", choices=["llama", "gemma3"])
+    ap.add_argument("--gguf", default=None)
     ap.add_argument("--out", default=os.path.join(ROOT, "models", "tests", "fixtures"))
     args = ap.parse_args()
-    d, f = os.path.split(os.path.abspath(args.gguf))
+    gemma = args.arch == "gemma3"
+    default = "gemma-3-270m-q4_k_m.gguf" if gemma else "SmolLM2-135M-Instruct.Q4_1.gguf"
+    d, f = os.path.split(os.path.abspath(args.gguf or os.path.join(ROOT, ".models", default)))
+    prefix = "gemma3_" if gemma else ""
+    raw_prompts = RAW_PROMPTS
+    if gemma:
+        # ~600, ~1200 and ~2000 tokens: beyond the window, and far beyond it
+        raw_prompts = RAW_PROMPTS + [LONG_PARAGRAPH * n + "The keeper's last entry says" for n in (12, 24, 40)]
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    if gemma:
+        tok.chat_template = GEMMA3_CHAT_TEMPLATE
     model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
     model.eval()
 
@@ -114,7 +142,7 @@ def main():
         text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
         ids = tok(text, add_special_tokens=False)["input_ids"]
         cases.append({"kind": "chat", "messages": msgs, "prompt": text, "prompt_ids": ids})
-    for text in RAW_PROMPTS:
+    for text in raw_prompts:
         ids = tok(text)["input_ids"]
         cases.append({"kind": "raw", "prompt": text, "prompt_ids": ids})
     for c in cases:
@@ -127,14 +155,14 @@ def main():
 
     meta = {
         "model": f,
-        "generator": "scripts/reference/make_fixture.py",
+        "generator": "scripts/reference/make_fixture.py --arch " + args.arch,
         "transformers": transformers.__version__,
         "torch": torch.__version__,
         "dtype": "float32",
         "new_tokens": NEW_TOKENS,
     }
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "reference_greedy.json"), "w") as fh:
+    with open(os.path.join(args.out, prefix + "reference_greedy.json"), "w") as fh:
         json.dump({"meta": meta, "cases": cases}, fh, indent=1, ensure_ascii=False)
         fh.write("\n")
 
@@ -155,7 +183,7 @@ def main():
         "bos_token_id": tok.bos_token_id,
         "eos_token_id": tok.eos_token_id,
     }
-    with open(os.path.join(args.out, "tokenizer_golden.json"), "w") as fh:
+    with open(os.path.join(args.out, prefix + "tokenizer_golden.json"), "w") as fh:
         json.dump(golden, fh, indent=1, ensure_ascii=False)
         fh.write("\n")
 

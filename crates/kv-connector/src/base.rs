@@ -440,6 +440,12 @@ impl KvConnectorWorker for NoopConnector {
     fn register_kv_caches(&mut self, _storage: Arc<KvStorage>) -> Result<(), KvConnectorError> {
         Ok(())
     }
+    fn register_rank_kv_caches(
+        &mut self,
+        _ranks: Vec<RankKvCaches>,
+    ) -> Result<(), KvConnectorError> {
+        Ok(())
+    }
     fn start_load_kv(&mut self, _metadata: &ConnectorMetadata) -> Result<(), KvConnectorError> {
         Ok(())
     }

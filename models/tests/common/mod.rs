@@ -9,17 +9,22 @@ use tandem_models::{
     WeightMode,
 };
 
-/// Loads the embedded model, or returns `None` (after saying so) when its file is absent.
+/// Loads the embedded default model, or returns `None` (after saying so) when its file is absent.
 pub fn load(weights: WeightMode) -> Option<LoadedModel> {
+    load_named("smollm2-135m", weights)
+}
+
+/// Loads embedded model `name`, or returns `None` (after saying so) when its file is absent.
+pub fn load_named(name: &str, weights: WeightMode) -> Option<LoadedModel> {
     let opts = LoadOptions {
         weights,
         ..Default::default()
     };
-    if let Err(e) = resolve_model("smollm2-135m", &opts) {
+    if let Err(e) = resolve_model(name, &opts) {
         eprintln!("SKIPPED: the model file is absent ({e}); run scripts/setup.sh");
         return None;
     }
-    Some(load_model("smollm2-135m", &opts).expect("load the embedded model"))
+    Some(load_model(name, &opts).expect("load the embedded model"))
 }
 
 pub fn fixture(name: &str) -> serde_json::Value {
@@ -65,8 +70,14 @@ impl Cache {
             groups: model.kv_cache_groups(block_size, dtype),
         })
         .unwrap();
-        // a fixed permutation: 5 is coprime with num_blocks unless it divides it
-        let step = if num_blocks.is_multiple_of(5) { 3 } else { 5 };
+        // a fixed permutation: a step coprime with num_blocks visits every block once
+        let gcd = |mut a: usize, mut b: usize| {
+            while b != 0 {
+                (a, b) = (b, a % b);
+            }
+            a
+        };
+        let step = (5..).find(|&s| gcd(s, num_blocks) == 1).unwrap();
         let free = (0..num_blocks as u32)
             .map(|i| (i * step as u32 + 1) % num_blocks as u32)
             .rev()

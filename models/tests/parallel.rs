@@ -179,6 +179,22 @@ fn tp3_pp2_and_both_give_the_tp1_answers() {
     }
 }
 
+/// Gemma 3 270M has one KV head: at TP 2 both ranks hold a copy of it, and each rank half of the
+/// query heads and of the sliding-window and full-attention layers' work.
+#[test]
+fn gemma3_tp2_replicates_its_single_kv_head_and_gives_the_tp1_answers() {
+    let opts = LoadOptions {
+        weights: WeightMode::F32,
+        ..Default::default()
+    };
+    if let Err(e) = resolve_model("gemma3-270m", &opts) {
+        eprintln!("SKIPPED: the model file is absent ({e}); run scripts/setup.sh");
+        return;
+    }
+    let matched = compare(&opts, "gemma3-270m", ParallelConfig::new(2, 1).unwrap(), 12);
+    assert!(matched >= 40, "only {matched} of 48 steps matched");
+}
+
 /// A dummy model with 8 query heads and 2 KV heads: at TP 4 each KV head is on two ranks.
 fn dummy_opts(dir: &std::path::Path) -> LoadOptions {
     let config = dir.join("gqa-8x2.json");

@@ -661,6 +661,7 @@ impl Setup {
             seed: 11,
             block_position: None,
             tp_rank: None,
+            group: None,
         });
         self
     }
@@ -1577,6 +1578,7 @@ fn fault_injection_fires_with_its_probability_and_seed() {
                 seed,
                 block_position: None,
                 tp_rank: None,
+                group: None,
             });
             let mut c = Instance::new("c", &cs, &fabric);
             for i in 0..12 {

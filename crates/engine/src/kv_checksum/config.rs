@@ -130,7 +130,8 @@ fn one() -> f64 {
 /// (default 0). `block_position` (`corrupt_byte` only) puts the byte in the request's block `b`
 /// (counted from the prompt's first block) instead of a random loaded block; a load that does
 /// not hold block `b` is left alone. `tp_rank` (TP instances) corrupts only that TP rank's copy
-/// of the load (with replicated KV heads: one replica only); by default every rank's.
+/// of the load (with replicated KV heads: one replica only); by default every rank's. `group`
+/// touches only that KV cache group's layers (e.g. 1, Gemma 3's sliding-window group).
 #[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FaultInjection {
@@ -143,6 +144,8 @@ pub struct FaultInjection {
     pub block_position: Option<usize>,
     #[serde(default)]
     pub tp_rank: Option<u32>,
+    #[serde(default)]
+    pub group: Option<usize>,
 }
 
 impl FaultInjection {
@@ -152,7 +155,7 @@ impl FaultInjection {
             EngineError::InvalidConfig(format!(
                 "kv_fault_injection: {e} (expected {{\"kind\": \"corrupt_byte\" | \"swap_blocks\" | \
                  \"stale_blocks\" | \"drop_checksums\" | \"malform_checksums\", \"probability\": p, \
-                 \"seed\": s, \"block_position\": b, \"tp_rank\": r}})"
+                 \"seed\": s, \"block_position\": b, \"tp_rank\": r, \"group\": g}})"
             ))
         })?;
         if !(0.0..=1.0).contains(&f.probability) {
@@ -182,6 +185,8 @@ pub struct BlockFault {
     pub block_position: Option<usize>,
     /// Only this TP rank's workers inject it (all when `None`).
     pub tp_rank: Option<u32>,
+    /// Only this KV cache group's layers are touched (all when `None`).
+    pub group: Option<usize>,
 }
 
 #[cfg(test)]
@@ -203,6 +208,7 @@ mod tests {
                 seed: 7,
                 block_position: None,
                 tp_rank: None,
+                group: None,
             }
         );
         let f = FaultInjection::from_json(

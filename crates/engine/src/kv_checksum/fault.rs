@@ -36,6 +36,7 @@ pub unsafe fn inject(
     let groups: Vec<(&ScheduledGroup, Vec<usize>)> = blocks
         .groups
         .iter()
+        .filter(|g| fault.group.is_none_or(|only| only == g.group_id))
         .map(|g| (g, group_layers(storage, g.group_id)))
         .filter(|(g, layers)| !g.block_ids.is_empty() && !layers.is_empty())
         .collect();
@@ -242,6 +243,7 @@ mod tests {
                         seed: 3,
                         block_position: None,
                         tp_rank: None,
+                        group: None,
                     },
                 )
             };
@@ -276,6 +278,7 @@ mod tests {
                     seed,
                     block_position: Some(position),
                     tp_rank: None,
+                    group: None,
                 };
                 let what = unsafe { inject(&s, &req, fault) }.expect("a loaded position");
                 assert!(what.contains(&format!("(position {position})")), "{what}");
@@ -299,6 +302,7 @@ mod tests {
             seed: 1,
             block_position: Some(0),
             tp_rank: None,
+            group: None,
         };
         assert_eq!(unsafe { inject(&s, &req, fault) }, None);
         assert_eq!(before, snapshot(&s));

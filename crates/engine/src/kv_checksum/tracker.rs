@@ -207,6 +207,7 @@ impl ChecksumTracker {
                 seed: rng.next_u64(),
                 block_position: f.block_position,
                 tp_rank: f.tp_rank,
+                group: f.group,
             })
         });
         let generation = self.generation();

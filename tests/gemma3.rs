@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{greedy_ids, Server};
+use common::{greedy_ids, verdict, with_transfer_config, Pd, Server};
 use serde_json::json;
 
 fn require_gemma() {
@@ -32,37 +32,12 @@ fn long_prompt() -> String {
         + "Describe the evening:"
 }
 
-struct Pd {
-    prefill: Server,
-    decode: Server,
-    proxy: Server,
-}
-
 fn deploy(decode_extra: &str) -> Pd {
-    let start = |role: &str, extra: &str| {
-        let config = cfg(role, extra);
-        let mut args = BASE.to_vec();
-        args.extend(["--kv-transfer-config", &config]);
-        Server::start("serve", &args, &[])
-    };
-    let prefill = start("kv_producer", "");
-    let decode = start("kv_consumer", decode_extra);
-    let proxy = Server::start(
-        "proxy",
-        &["--prefill", &prefill.base, "--decode", &decode.base],
+    Pd::start(
+        &with_transfer_config(BASE, &[], &cfg("kv_producer", "")),
+        &with_transfer_config(BASE, &[], &cfg("kv_consumer", decode_extra)),
         &[],
-    );
-    Pd {
-        prefill,
-        decode,
-        proxy,
-    }
-}
-
-async fn verdict(s: &Server, v: &str) -> f64 {
-    s.metric("tandem:kv_checksum_loads_total", &[("verdict", v)])
-        .await
-        .unwrap_or(0.0)
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

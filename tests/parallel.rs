@@ -130,16 +130,8 @@ async fn tp3_and_pp2_instances_answer_as_tp1_and_free_every_block() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dummy_model_with_replicated_kv_heads_serves_at_tp4() {
     let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("gqa-8x2.json");
-    std::fs::write(
-        &config,
-        json!({"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
-               "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 16,
-               "vocab_size": 512, "max_position_embeddings": 1024})
-        .to_string(),
-    )
-    .unwrap();
-    let config = config.to_str().unwrap();
+    let config = common::dummy_gqa_config(dir.path());
+    let config = config.as_str();
     let base = [
         "--load-format",
         "dummy",

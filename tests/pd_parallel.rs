@@ -11,7 +11,10 @@
 
 mod common;
 
-use common::{greedy_ids, require_model, wait_all_free, Server};
+use common::{
+    dummy_gqa_config, greedy_ids, require_model, verdict, wait_all_free, with_transfer_config, Pd,
+    Server,
+};
 use serde_json::json;
 
 fn cfg(role: &str, extra: &str) -> String {
@@ -20,39 +23,13 @@ fn cfg(role: &str, extra: &str) -> String {
     )
 }
 
-struct Pd {
-    prefill: Server,
-    decode: Server,
-    proxy: Server,
-}
-
 /// A 1P1D deployment: `base` flags on both, then each side's layout flags.
 fn deploy(base: &[&str], prefill: &[&str], decode: &[&str], decode_extra: &str) -> Pd {
-    let start = |layout: &[&str], role: &str, extra: &str| {
-        let mut args = base.to_vec();
-        args.extend_from_slice(layout);
-        let config = cfg(role, extra);
-        args.extend(["--kv-transfer-config", &config]);
-        Server::start("serve", &args, &[])
-    };
-    let prefill = start(prefill, "kv_producer", "");
-    let decode = start(decode, "kv_consumer", decode_extra);
-    let proxy = Server::start(
-        "proxy",
-        &["--prefill", &prefill.base, "--decode", &decode.base],
+    Pd::start(
+        &with_transfer_config(base, prefill, &cfg("kv_producer", "")),
+        &with_transfer_config(base, decode, &cfg("kv_consumer", decode_extra)),
         &[],
-    );
-    Pd {
-        prefill,
-        decode,
-        proxy,
-    }
-}
-
-async fn verdict(s: &Server, v: &str) -> f64 {
-    s.metric("tandem:kv_checksum_loads_total", &[("verdict", v)])
-        .await
-        .unwrap_or(0.0)
+    )
 }
 
 const SMOL: &[&str] = &[
@@ -106,26 +83,12 @@ async fn smollm2_pairs_of_layouts_answer_as_one_instance_with_every_load_verifie
     }
 }
 
-/// A dummy model with 8 query heads and 2 KV heads.
-fn dummy_config(dir: &std::path::Path) -> String {
-    let path = dir.join("gqa-8x2.json");
-    std::fs::write(
-        &path,
-        json!({"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
-               "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 16,
-               "vocab_size": 512, "max_position_embeddings": 1024})
-        .to_string(),
-    )
-    .unwrap();
-    path.to_str().unwrap().to_owned()
-}
-
 const DUMMY_PROMPT: &str = "replicated heads: each KV head of this model lives on two TP ranks";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replicated_kv_heads_move_between_tp4_and_tp1_and_a_corrupted_replica_is_caught() {
     let dir = tempfile::tempdir().unwrap();
-    let config = dummy_config(dir.path());
+    let config = dummy_gqa_config(dir.path());
     let base = [
         "--load-format",
         "dummy",

@@ -162,16 +162,34 @@ impl DecoderConfig {
     }
 }
 
+/// One layer's RMSNorm weights (never sharded: every rank holds them whole).
+#[derive(Clone)]
+struct LayerNorms {
+    /// Before attention (`attn_norm`) and before the MLP (`ffn_norm`).
+    attn: Vec<f32>,
+    ffn: Vec<f32>,
+    /// Per-head norms of Q and K (`Features::qk_norm`).
+    q: Option<Vec<f32>>,
+    k: Option<Vec<f32>>,
+    /// Of the attention and MLP outputs (`Features::post_norms`).
+    post_attn: Option<Vec<f32>>,
+    post_ffn: Option<Vec<f32>>,
+}
+
+impl LayerNorms {
+    fn len(&self) -> usize {
+        [&self.q, &self.k, &self.post_attn, &self.post_ffn]
+            .iter()
+            .map(|n| n.as_ref().map_or(0, Vec::len))
+            .sum::<usize>()
+            + self.attn.len()
+            + self.ffn.len()
+    }
+}
+
 /// One layer's weights as read from the file, before sharding.
 struct RawLayer {
-    attn_norm: Vec<f32>,
-    ffn_norm: Vec<f32>,
-    /// Per-head norms of Q and K (`Features::qk_norm`).
-    q_norm: Option<Vec<f32>>,
-    k_norm: Option<Vec<f32>>,
-    /// Norms of the attention and MLP outputs (`Features::post_norms`).
-    post_attn_norm: Option<Vec<f32>>,
-    post_ffn_norm: Option<Vec<f32>>,
+    norms: LayerNorms,
     q: HostMatrix,
     k: HostMatrix,
     v: HostMatrix,
@@ -229,17 +247,16 @@ impl DecoderWeights {
                     }
                     Ok(Some(v))
                 };
-            let q_norm = vector_of("attn_q_norm", cfg.head_dim, f.qk_norm)?;
-            let k_norm = vector_of("attn_k_norm", cfg.head_dim, f.qk_norm)?;
-            let post_attn_norm = vector_of("post_attention_norm", h, f.post_norms)?;
-            let post_ffn_norm = vector_of("post_ffw_norm", h, f.post_norms)?;
+            let norms = LayerNorms {
+                q: vector_of("attn_q_norm", cfg.head_dim, f.qk_norm)?,
+                k: vector_of("attn_k_norm", cfg.head_dim, f.qk_norm)?,
+                post_attn: vector_of("post_attention_norm", h, f.post_norms)?,
+                post_ffn: vector_of("post_ffw_norm", h, f.post_norms)?,
+                attn: src.vector(&n("attn_norm"))?,
+                ffn: src.vector(&n("ffn_norm"))?,
+            };
             let l = RawLayer {
-                attn_norm: src.vector(&n("attn_norm"))?,
-                ffn_norm: src.vector(&n("ffn_norm"))?,
-                q_norm,
-                k_norm,
-                post_attn_norm,
-                post_ffn_norm,
+                norms,
                 q: src.matrix(&n("attn_q"), permuted(cfg.num_heads))?,
                 k: src.matrix(&n("attn_k"), permuted(cfg.num_kv_heads))?,
                 v: src.matrix(&n("attn_v"), None)?,
@@ -304,11 +321,7 @@ impl DecoderWeights {
             .par_iter()
             .map(|r| {
                 Ok(Layer {
-                    attn_norm: r.attn_norm.clone(),
-                    q_norm: r.q_norm.clone(),
-                    k_norm: r.k_norm.clone(),
-                    post_attn_norm: r.post_attn_norm.clone(),
-                    post_ffn_norm: r.post_ffn_norm.clone(),
+                    norms: r.norms.clone(),
                     qkv: HostMatrix::concat_rows(&[
                         r.q.slice_rows(q_rows.clone()),
                         r.k.slice_rows(kv_rows.clone()),
@@ -316,7 +329,6 @@ impl DecoderWeights {
                     ])?
                     .into_linear(mode)?,
                     o: r.o.slice_cols(q_rows.clone())?.into_linear(mode)?,
-                    ffn_norm: r.ffn_norm.clone(),
                     gate_up: HostMatrix::concat_rows(&[
                         r.gate.slice_rows(inter.clone()),
                         r.up.slice_rows(inter.clone()),
@@ -356,18 +368,10 @@ impl DecoderWeights {
         };
         let rope_full = rope(cfg.rope_theta)?;
         let rope_sliding = cfg.features.rope_theta_sliding.map(rope).transpose()?;
-        let norm_bytes = |l: &Layer| {
-            [&l.q_norm, &l.k_norm, &l.post_attn_norm, &l.post_ffn_norm]
-                .iter()
-                .map(|n| n.as_ref().map_or(0, Vec::len))
-                .sum::<usize>()
-                + l.attn_norm.len()
-                + l.ffn_norm.len()
-        };
         let weight_bytes = layers
             .iter()
             .map(|l| {
-                l.qkv.bytes() + l.o.bytes() + l.gate_up.bytes() + l.down.bytes() + 4 * norm_bytes(l)
+                l.qkv.bytes() + l.o.bytes() + l.gate_up.bytes() + l.down.bytes() + 4 * l.norms.len()
             })
             .sum::<usize>()
             + lm_head.as_ref().map_or(0, |m| m.bytes())
@@ -433,16 +437,11 @@ impl DecoderWeights {
 }
 
 struct Layer {
-    attn_norm: Vec<f32>,
-    q_norm: Option<Vec<f32>>,
-    k_norm: Option<Vec<f32>>,
-    post_attn_norm: Option<Vec<f32>>,
-    post_ffn_norm: Option<Vec<f32>>,
+    norms: LayerNorms,
     /// Rows: this rank's Q heads, then its K and V heads (`head_dim` rows each).
     qkv: Linear,
     /// Columns: this rank's Q heads (row-parallel: outputs are summed over TP).
     o: Linear,
-    ffn_norm: Vec<f32>,
     /// Rows: this rank's slice of gate, then of up.
     gate_up: Linear,
     /// Columns: this rank's slice of the MLP width (row-parallel).
@@ -535,7 +534,8 @@ impl Decoder {
         for (l, layer) in self.layers.iter().enumerate() {
             let params = &self.attn[l];
             let (qd, kvd) = (params.num_heads * hd, params.num_kv_heads * hd);
-            let hn = rms_norm_to(&x, &layer.attn_norm, eps);
+            let norms = &layer.norms;
+            let hn = rms_norm_to(&x, &norms.attn, eps);
             let qkv = layer.qkv.forward(&hn, t)?;
             let mut q = Vec::with_capacity(t * qd);
             let mut k = Vec::with_capacity(t * kvd);
@@ -545,7 +545,7 @@ impl Decoder {
                 k.extend_from_slice(&row[qd..qd + kvd]);
                 v.extend_from_slice(&row[qd + kvd..]);
             }
-            if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
+            if let (Some(qn), Some(kn)) = (&norms.q, &norms.k) {
                 rms_norm(&mut q, qn, eps);
                 rms_norm(&mut k, kn, eps);
             }
@@ -561,11 +561,11 @@ impl Decoder {
                 paged_attention(&q, batch.seqs, LayerCache::from_storage(kv, slot)?, params)?;
             let mut o = layer.o.forward(&attn, t)?;
             self.comm.all_reduce_sum(&mut o)?;
-            if let Some(n) = &layer.post_attn_norm {
+            if let Some(n) = &norms.post_attn {
                 rms_norm(&mut o, n, eps);
             }
             add_assign(&mut x, &o);
-            let hn = rms_norm_to(&x, &layer.ffn_norm, eps);
+            let hn = rms_norm_to(&x, &norms.ffn, eps);
             let gate_up = layer.gate_up.forward(&hn, t)?;
             let width = c.intermediate_size / self.comm.config().tp;
             let act = match f.activation {
@@ -574,7 +574,7 @@ impl Decoder {
             };
             let mut d = layer.down.forward(&act, t)?;
             self.comm.all_reduce_sum(&mut d)?;
-            if let Some(n) = &layer.post_ffn_norm {
+            if let Some(n) = &norms.post_ffn {
                 rms_norm(&mut d, n, eps);
             }
             add_assign(&mut x, &d);

@@ -177,6 +177,64 @@ impl Server {
     }
 }
 
+/// A 1P1D deployment behind the proxy (all three killed on drop).
+pub struct Pd {
+    pub prefill: Server,
+    pub decode: Server,
+    pub proxy: Server,
+}
+
+impl Pd {
+    /// Starts `tandem serve PREFILL_ARGS`, `tandem serve DECODE_ARGS` and a proxy in front of
+    /// them (with `proxy_args`).
+    pub fn start(prefill_args: &[String], decode_args: &[String], proxy_args: &[&str]) -> Pd {
+        fn strs(v: &[String]) -> Vec<&str> {
+            v.iter().map(String::as_str).collect()
+        }
+        let prefill = Server::start("serve", &strs(prefill_args), &[]);
+        let decode = Server::start("serve", &strs(decode_args), &[]);
+        let mut args = vec!["--prefill", &prefill.base, "--decode", &decode.base];
+        args.extend_from_slice(proxy_args);
+        let proxy = Server::start("proxy", &args, &[]);
+        Pd {
+            prefill,
+            decode,
+            proxy,
+        }
+    }
+}
+
+/// `tandem serve` flags: `base`, then `extra`, then `--kv-transfer-config CONFIG`.
+pub fn with_transfer_config(base: &[&str], extra: &[&str], config: &str) -> Vec<String> {
+    base.iter()
+        .chain(extra)
+        .map(|s| s.to_string())
+        .chain(["--kv-transfer-config".to_string(), config.to_string()])
+        .collect()
+}
+
+/// The instance's count of KV loads with checksum verdict `v` (0 when absent).
+pub async fn verdict(s: &Server, v: &str) -> f64 {
+    s.metric("tandem:kv_checksum_loads_total", &[("verdict", v)])
+        .await
+        .unwrap_or(0.0)
+}
+
+/// Writes a dummy model's config (8 query heads, 2 KV heads, 4 layers) into `dir`; returns its
+/// path. Its stem, `gqa-8x2`, is the served name.
+pub fn dummy_gqa_config(dir: &std::path::Path) -> String {
+    let path = dir.join("gqa-8x2.json");
+    std::fs::write(
+        &path,
+        json!({"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
+               "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 16,
+               "vocab_size": 512, "max_position_embeddings": 1024})
+        .to_string(),
+    )
+    .unwrap();
+    path.to_str().unwrap().to_owned()
+}
+
 /// Waits until every instance holds no block and runs no request.
 pub async fn wait_all_free(servers: &[&Server]) {
     let start = Instant::now();

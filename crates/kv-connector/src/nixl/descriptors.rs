@@ -171,8 +171,24 @@ pub struct TransferPlan {
     pub descriptors: usize,
 }
 
-fn check_ids(ids: &[usize], table: &DescTable, side: Side) -> Result<(), KvConnectorError> {
-    let num_blocks = table.num_blocks();
+/// The destination side's ids must be distinct: two sources into one block would race.
+fn check_distinct(
+    local_ids: &[usize],
+    remote_ids: &[usize],
+    dest: Side,
+) -> Result<(), KvConnectorError> {
+    let dest_ids = match dest {
+        Side::Local => local_ids,
+        Side::Remote => remote_ids,
+    };
+    let mut seen = HashSet::with_capacity(dest_ids.len());
+    match dest_ids.iter().find(|&&b| !seen.insert(b)) {
+        Some(&block) => Err(KvConnectorError::DuplicateBlock { side: dest, block }),
+        None => Ok(()),
+    }
+}
+
+fn check_ids(ids: &[usize], num_blocks: usize, side: Side) -> Result<(), KvConnectorError> {
     match ids.iter().find(|&&b| b >= num_blocks) {
         Some(&block) => Err(KvConnectorError::BlockOutOfRange {
             side,
@@ -199,16 +215,9 @@ pub fn plan_transfer(
         });
     }
     local.check_pairs_with(remote)?;
-    check_ids(local_ids, local, Side::Local)?;
-    check_ids(remote_ids, remote, Side::Remote)?;
-    let dest_ids = match dest {
-        Side::Local => local_ids,
-        Side::Remote => remote_ids,
-    };
-    let mut seen = HashSet::with_capacity(dest_ids.len());
-    if let Some(&block) = dest_ids.iter().find(|&&b| !seen.insert(b)) {
-        return Err(KvConnectorError::DuplicateBlock { side: dest, block });
-    }
+    check_ids(local_ids, local.num_blocks(), Side::Local)?;
+    check_ids(remote_ids, remote.num_blocks(), Side::Remote)?;
+    check_distinct(local_ids, remote_ids, dest)?;
 
     // Source order maximises runs that are consecutive on both sides.
     let mut pairs: Vec<(usize, usize)> = local_ids
@@ -264,30 +273,9 @@ pub fn plan_unit_transfer(
         });
     }
     let (k, lu, ru) = (pairing.ratio, pairing.local_units(), pairing.remote_units);
-    let local_blocks = local.num_blocks() / lu * k;
-    let remote_blocks = remote.num_blocks() / ru;
-    if let Some(&block) = local_ids.iter().find(|&&b| b >= local_blocks) {
-        return Err(KvConnectorError::BlockOutOfRange {
-            side: Side::Local,
-            block,
-            num_blocks: local_blocks,
-        });
-    }
-    if let Some(&block) = remote_ids.iter().find(|&&b| b >= remote_blocks) {
-        return Err(KvConnectorError::BlockOutOfRange {
-            side: Side::Remote,
-            block,
-            num_blocks: remote_blocks,
-        });
-    }
-    let dest_ids = match dest {
-        Side::Local => local_ids,
-        Side::Remote => remote_ids,
-    };
-    let mut seen = HashSet::with_capacity(dest_ids.len());
-    if let Some(&block) = dest_ids.iter().find(|&&b| !seen.insert(b)) {
-        return Err(KvConnectorError::DuplicateBlock { side: dest, block });
-    }
+    check_ids(local_ids, local.num_blocks() / lu * k, Side::Local)?;
+    check_ids(remote_ids, remote.num_blocks() / ru, Side::Remote)?;
+    check_distinct(local_ids, remote_ids, dest)?;
     // (local index, remote index, bytes, region pair)
     let mut pairs: Vec<(i32, i32, usize, (usize, usize))> =
         Vec::with_capacity(local_ids.len() * pairing.maps.len());

@@ -171,12 +171,19 @@ pub struct TransferPlan {
     pub descriptors: usize,
 }
 
-/// The destination side's ids must be distinct: two sources into one block would race.
-fn check_distinct(
+/// The id lists pair one to one, and the destination side's ids are distinct (two sources into
+/// one block would race).
+fn check_pairs(
     local_ids: &[usize],
     remote_ids: &[usize],
     dest: Side,
 ) -> Result<(), KvConnectorError> {
+    if local_ids.len() != remote_ids.len() {
+        return Err(KvConnectorError::BlockCountMismatch {
+            local: local_ids.len(),
+            remote: remote_ids.len(),
+        });
+    }
     let dest_ids = match dest {
         Side::Local => local_ids,
         Side::Remote => remote_ids,
@@ -208,16 +215,10 @@ pub fn plan_transfer(
     remote_ids: &[usize],
     dest: Side,
 ) -> Result<TransferPlan, KvConnectorError> {
-    if local_ids.len() != remote_ids.len() {
-        return Err(KvConnectorError::BlockCountMismatch {
-            local: local_ids.len(),
-            remote: remote_ids.len(),
-        });
-    }
+    check_pairs(local_ids, remote_ids, dest)?;
     local.check_pairs_with(remote)?;
     check_ids(local_ids, local.num_blocks(), Side::Local)?;
     check_ids(remote_ids, remote.num_blocks(), Side::Remote)?;
-    check_distinct(local_ids, remote_ids, dest)?;
 
     // Source order maximises runs that are consecutive on both sides.
     let mut pairs: Vec<(usize, usize)> = local_ids
@@ -266,16 +267,10 @@ pub fn plan_unit_transfer(
     remote_ids: &[usize],
     dest: Side,
 ) -> Result<TransferPlan, KvConnectorError> {
-    if local_ids.len() != remote_ids.len() {
-        return Err(KvConnectorError::BlockCountMismatch {
-            local: local_ids.len(),
-            remote: remote_ids.len(),
-        });
-    }
+    check_pairs(local_ids, remote_ids, dest)?;
     let (k, lu, ru) = (pairing.ratio, pairing.local_units(), pairing.remote_units);
     check_ids(local_ids, local.num_blocks() / lu * k, Side::Local)?;
     check_ids(remote_ids, remote.num_blocks() / ru, Side::Remote)?;
-    check_distinct(local_ids, remote_ids, dest)?;
     // (local index, remote index, bytes, region pair)
     let mut pairs: Vec<(i32, i32, usize, (usize, usize))> =
         Vec::with_capacity(local_ids.len() * pairing.maps.len());

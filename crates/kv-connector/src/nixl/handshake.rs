@@ -306,6 +306,19 @@ impl NixlHandshake {
                     l.block_bytes
                 ));
             }
+            if !l.kv_heads.is_empty() && l.kv_heads.len() != l.num_kv_heads {
+                return bad(format!(
+                    "layer {i}: {} model heads named for {} KV heads",
+                    l.kv_heads.len(),
+                    l.num_kv_heads
+                ));
+            }
+            let mut distinct = l.kv_heads.clone();
+            distinct.sort_unstable();
+            distinct.dedup();
+            if distinct.len() != l.kv_heads.len() {
+                return bad(format!("layer {i}: a model head is named twice"));
+            }
             let need = (l.num_blocks as u64).checked_mul(l.block_bytes as u64);
             for (part, r) in [("K", l.k), ("V", l.v)] {
                 if need.is_none_or(|n| r.len < n) || r.addr.checked_add(r.len).is_none() {
@@ -534,6 +547,21 @@ mod tests {
     }
 
     #[test]
+    fn model_heads_must_name_each_kv_head_once() {
+        let mut a = hs("smollm2-135m", CacheDtype::F32, 2);
+        a.validate().unwrap();
+        a.layers[1].kv_heads = vec![0, 1];
+        let e = a.validate().unwrap_err().to_string();
+        assert!(e.contains("2 model heads named for 3 KV heads"), "{e}");
+        a.layers[1].kv_heads = vec![0, 1, 1];
+        let e = a.validate().unwrap_err().to_string();
+        assert!(e.contains("named twice"), "{e}");
+        // left out by older handshakes: every head in order
+        a.layers[1].kv_heads = Vec::new();
+        a.validate().unwrap();
+    }
+
+    #[test]
     fn each_incompatibility_has_its_own_error() {
         let ours = hs("smollm2-135m", CacheDtype::F32, 2);
         ours.check_compatible(&ours.clone()).unwrap();
@@ -574,6 +602,7 @@ mod tests {
         assert!(matches!(mismatch(&peer), HandshakeMismatch::TpSize { .. }));
         let mut peer = ours.clone();
         peer.layers[1].num_kv_heads = 1;
+        peer.layers[1].kv_heads = vec![0];
         peer.layers[1].block_bytes = 16 * 64 * 4;
         let m = mismatch(&peer);
         assert!(

@@ -20,9 +20,12 @@ fn require_gemma() {
 
 fn cfg(role: &str, extra: &str) -> String {
     format!(
-        r#"{{"kv_connector":"NixlConnector","kv_role":"{role}","enable_kv_checksum":true,"kv_checksum_fail_closed":true,"kv_load_failure_policy":"fail"{extra}}}"#
+        r#"{{"kv_connector":"NixlConnector","kv_role":"{role}","enable_kv_checksum":true,"kv_checksum_fail_closed":true{extra}}}"#
     )
 }
+
+const FAIL: &str = r#","kv_load_failure_policy":"fail""#;
+const RECOMPUTE: &str = r#","kv_load_failure_policy":"recompute""#;
 
 const BASE: &[&str] = &["--model", "gemma3-270m", "--num-kv-blocks", "256"];
 
@@ -56,7 +59,7 @@ async fn a_prompt_past_the_window_moves_both_groups_verified_and_a_sliding_group
     assert_eq!(st, 200, "{chat}");
     drop(single);
 
-    let pd = deploy("");
+    let pd = deploy(FAIL);
     let got = greedy_ids(&pd.proxy.base, &prompt, 12).await;
     assert_eq!(got, want, "P/D answer differs from the single instance");
     assert_eq!(verdict(&pd.decode, "verified").await, 1.0);
@@ -67,7 +70,7 @@ async fn a_prompt_past_the_window_moves_both_groups_verified_and_a_sliding_group
 
     // group 1 is the sliding-window group; only its layers are corrupted
     let fault = r#","kv_fault_injection":{"kind":"corrupt_byte","seed":3,"group":1}"#;
-    let pd = deploy(fault);
+    let pd = deploy(&format!("{FAIL}{fault}"));
     let r = common::client()
         .post(pd.proxy.url("/v1/completions"))
         .json(&json!({"prompt": prompt, "max_tokens": 4, "temperature": 0}))
@@ -80,4 +83,34 @@ async fn a_prompt_past_the_window_moves_both_groups_verified_and_a_sliding_group
     assert!(body.contains("group 1 mismatch"), "{body}");
     assert_eq!(verdict(&pd.decode, "mismatch").await, 1.0);
     common::wait_all_free(&[&pd.prefill, &pd.decode]).await;
+}
+
+/// Under the recompute policy a fault in either group is caught and recomputed: the answer is
+/// the single instance's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fault_in_either_group_is_recomputed_to_the_single_instance_answer() {
+    require_gemma();
+    let prompt = long_prompt();
+    let single = Server::start("serve", BASE, &[]);
+    let want = greedy_ids(&single.base, &prompt, 8).await;
+    drop(single);
+    for group in [0, 1] {
+        let fault =
+            format!(r#","kv_fault_injection":{{"kind":"corrupt_byte","seed":9,"group":{group}}}"#);
+        let pd = deploy(&format!("{RECOMPUTE}{fault}"));
+        let got = greedy_ids(&pd.proxy.base, &prompt, 8).await;
+        assert_eq!(got, want, "group {group}: recomputed answer differs");
+        assert_eq!(verdict(&pd.decode, "mismatch").await, 1.0, "group {group}");
+        let recomputed = pd
+            .decode
+            .metric_total("tandem:kv_load_recomputed_tokens_total")
+            .await;
+        assert!(recomputed > 0.0, "group {group}: nothing recomputed");
+        let log = pd.decode.log_text();
+        assert!(
+            log.contains(&format!("group {group} mismatch")),
+            "group {group}"
+        );
+        common::wait_all_free(&[&pd.prefill, &pd.decode]).await;
+    }
 }

@@ -12,7 +12,8 @@ Writes, under models/tests/fixtures/ (prefixed `gemma3_` for --arch gemma3):
   tokenizer for the same GGUF produces them.
 
 transformers loads the GGUF with `from_pretrained(dir, gguf_file=...)`, dequantizing every tensor
-to float32 (the same numbers as Tandem's `--dtype f32`). Needs torch, transformers, gguf, numpy;
+to float32 (the same numbers as Tandem's `--dtype f32`). Needs torch, transformers, gguf, numpy
+(and accelerate, which transformers 5 wants for GGUF files);
 CI never runs this: the fixtures are committed.
 """
 import argparse

@@ -323,9 +323,7 @@ pub fn load_model(spec: &str, opts: &LoadOptions) -> Result<LoadedModel, ModelEr
 
 /// The config of a dummy model: an HF-style `config.json` (`model_type` may be left out).
 fn dummy_config(path: &Path) -> Result<DecoderConfig, ModelError> {
-    let text = std::fs::read_to_string(path).map_err(|e| ModelError::io(path, e))?;
-    let mut json: serde_json::Value = serde_json::from_str(&text)
-        .map_err(|e| ModelError::format(format!("{}: {e}", path.display())))?;
+    let mut json = read_json(path)?;
     if let Some(obj) = json.as_object_mut() {
         obj.entry("model_type").or_insert("llama".into());
     }
@@ -333,13 +331,14 @@ fn dummy_config(path: &Path) -> Result<DecoderConfig, ModelError> {
         .map_err(|e| ModelError::format(format!("{}: {e}", path.display())))
 }
 
+fn read_json(path: &Path) -> Result<serde_json::Value, ModelError> {
+    let text = std::fs::read_to_string(path).map_err(|e| ModelError::io(path, e))?;
+    serde_json::from_str(&text).map_err(|e| ModelError::format(format!("{}: {e}", path.display())))
+}
+
 /// The model config of a Hugging Face directory (`config.json`).
 fn hf_config(dir: &Path) -> Result<DecoderConfig, ModelError> {
-    let cfg_path = dir.join("config.json");
-    let text = std::fs::read_to_string(&cfg_path).map_err(|e| ModelError::io(&cfg_path, e))?;
-    let json: serde_json::Value = serde_json::from_str(&text)
-        .map_err(|e| ModelError::format(format!("{}: {e}", cfg_path.display())))?;
-    DecoderConfig::from_hf_json(&json)
+    DecoderConfig::from_hf_json(&read_json(&dir.join("config.json"))?)
 }
 
 /// The tokenizer of a model, without its weights, and its context length.

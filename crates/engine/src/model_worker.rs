@@ -19,6 +19,7 @@ use std::sync::Arc;
 use tandem_kv_cache::KvStorage;
 use tandem_kv_connector::base::{ConnectorOutput, KvConnectorWorker, RankKvCaches};
 use tandem_models::{CausalLm, ForwardBatch, SeqBatch};
+use tandem_parallel::{KvHeadSlice, RankId};
 
 use crate::error::EngineError;
 use crate::kv_checksum::ChecksumWorker;
@@ -35,6 +36,10 @@ pub struct RankWorker {
     checksums: ChecksumWorker,
     /// Whether this rank samples the step's tokens.
     samples: bool,
+    rank: RankId,
+    /// The model KV heads this rank's storage holds (the model's own split, which the checksum
+    /// placement and the connector's registration both follow).
+    heads: KvHeadSlice,
 }
 
 impl RankWorker {
@@ -50,11 +55,14 @@ impl RankWorker {
             model.kv_cache_groups(block_size, kv.layout(0).dtype)
         };
         let (parallel, rank) = model.parallel_rank();
+        let kv_heads = model.info().num_kv_heads;
+        let heads = parallel
+            .kv_heads(kv_heads, rank.tp_rank)
+            .map_err(|e| EngineError::Execution(e.to_string()))?;
         let checksums = if parallel.is_single() {
             ChecksumWorker::single(kv.clone(), &groups)
         } else {
-            let kv_heads = model.info().num_kv_heads;
-            ChecksumWorker::for_rank(kv.clone(), &groups, parallel, rank, kv_heads)?
+            ChecksumWorker::for_rank(kv.clone(), &groups, rank, heads, kv_heads)
         };
         Ok(RankWorker {
             model,
@@ -63,25 +71,22 @@ impl RankWorker {
             samplers: HashMap::new(),
             checksums,
             samples: rank == parallel.driver(),
+            rank,
+            heads,
         })
     }
 
     /// This rank's caches as the connector registers them: its storage and the model heads it
     /// holds.
-    pub fn kv_caches(&self) -> Result<RankKvCaches, EngineError> {
-        let (parallel, rank) = self.model.parallel_rank();
-        let slice = parallel
-            .kv_heads(self.model.info().num_kv_heads, rank.tp_rank)
-            .map_err(|e| EngineError::Execution(e.to_string()))?;
-        Ok(RankKvCaches {
-            tp_rank: rank.tp_rank,
-            pp_rank: rank.pp_rank,
-            kv_heads: (slice.first..slice.first + slice.count)
-                .map(|h| h as u32)
-                .collect(),
-            kv_replica: slice.replica_index as u32,
+    pub fn kv_caches(&self) -> RankKvCaches {
+        let h = self.heads;
+        RankKvCaches {
+            tp_rank: self.rank.tp_rank,
+            pp_rank: self.rank.pp_rank,
+            kv_heads: (h.first..h.first + h.count).map(|x| x as u32).collect(),
+            kv_replica: h.replica_index as u32,
             storage: self.kv.clone(),
-        })
+        }
     }
 
     /// Before the connector starts this step's loads.

@@ -51,10 +51,7 @@ impl ParallelWorker {
                 parallel.pp
             )));
         }
-        let caches = ranks
-            .iter()
-            .map(RankWorker::kv_caches)
-            .collect::<Result<Vec<_>, _>>()?;
+        let caches = ranks.iter().map(RankWorker::kv_caches).collect();
         connector
             .register_rank_kv_caches(caches)
             .map_err(|e| EngineError::Execution(format!("registering KV caches: {e}")))?;
@@ -121,29 +118,22 @@ impl ParallelWorker {
                 })
                 .collect()
         });
-        if world.aborted().is_some() {
+        // The first abort names the rank that failed and why; the others only say they were
+        // aborted.
+        let cause = world.aborted();
+        if cause.is_some() {
             world.reset();
         }
         let driver = self.parallel.index(self.parallel.driver());
         let mut sampled = Vec::new();
-        let mut first_error = None;
         for (i, r) in results.into_iter().enumerate() {
             match r {
                 Ok(tokens) if i == driver => sampled = tokens,
                 Ok(_) => {}
-                // the root cause first: the other ranks' errors say they were aborted
-                Err(e) => {
-                    let aborted = e.to_string().contains("collective aborted");
-                    if first_error.is_none() || !aborted {
-                        first_error = Some(e);
-                    }
-                }
+                Err(e) => return Err(cause.map_or(e, EngineError::Execution)),
             }
         }
-        match first_error {
-            Some(e) => Err(e),
-            None => Ok(sampled),
-        }
+        Ok(sampled)
     }
 }
 

@@ -26,9 +26,9 @@
 //! [`KvConnectorError::InvalidTransferParams`], so a forged or malformed value never reaches a
 //! transfer): `remote_block_ids` has exactly `cdiv(prompt_len, block_size)` distinct entries; the
 //! ids are non-empty strings of at most [`MAX_ID_LEN`] bytes without control characters; the host
-//! is a plain host name or IP literal; the port is 1..=65535; `tp_size` (the producer's TP size) is 1 to 1024. Unknown keys are
-//! ignored (the checksum feature adds `kv_checksums`). Whether remote block ids exist on the
-//! producer is checked against its handshake at transfer time.
+//! is a plain host name or IP literal; the port is 1..=65535; `tp_size` (the producer's TP size)
+//! is 1 to 1024. Unknown keys are ignored (the checksum feature adds `kv_checksums`). Whether
+//! remote block ids exist on the producer is checked against its handshake at transfer time.
 
 use std::collections::HashSet;
 

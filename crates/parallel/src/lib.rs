@@ -18,4 +18,4 @@ pub mod layout;
 
 pub use collectives::{Collectives, CpuWorld, SingleRank};
 pub use error::ParallelError;
-pub use layout::{ParallelConfig, RankId};
+pub use layout::{KvHeadSlice, ParallelConfig, RankId};

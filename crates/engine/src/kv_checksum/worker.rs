@@ -23,14 +23,13 @@ use std::time::Instant;
 
 use tandem_kv_cache::{KvCacheConfig, KvCacheGroup, KvStorage};
 use tandem_kv_checksum::{
-    ChecksumRequest, CpuBackend, GroupOutcome, GroupRecord, HeadPlacement, RequestRecord, Role,
-    WorkerChecksums, WorkerId,
+    ChecksumRequest, CpuBackend, GroupOutcome, GroupRecord, HeadPlacement, ReplicaKey,
+    RequestRecord, Role, WorkerChecksums, WorkerId,
 };
 use tandem_kv_connector::base::ConnectorOutput;
-use tandem_models::{ParallelConfig, RankId};
+use tandem_parallel::{KvHeadSlice, RankId};
 
 use super::fault;
-use crate::error::EngineError;
 use crate::metrics as m;
 use crate::scheduler_output::{ChecksumJob, ChecksumRecord, ChecksumSide, ChecksumWork};
 
@@ -93,31 +92,33 @@ impl ChecksumWorker {
         Self::new(setup, storage)
     }
 
-    /// One rank of a TP x PP group: the layers of `storage` (its stage's) and its KV heads of
-    /// the model's `global_kv_heads` (split across TP, or replicated when TP exceeds them).
+    /// One rank of a TP x PP group: the layers of `storage` (its stage's) and the model KV heads
+    /// `heads` says it holds, of the model's `global_kv_heads`.
     pub fn for_rank(
         storage: Arc<KvStorage>,
         groups: &[KvCacheGroup],
-        parallel: ParallelConfig,
         rank: RankId,
+        heads: KvHeadSlice,
         global_kv_heads: usize,
-    ) -> Result<Self, EngineError> {
+    ) -> Self {
         let config = KvCacheConfig {
             num_blocks: 0,
             groups: groups.to_vec(),
         };
-        let placement = HeadPlacement::tp_sharded(
-            rank.tp_rank as u32,
-            parallel.tp as u32,
-            global_kv_heads as u32,
-        )
-        .map_err(|e| EngineError::Execution(format!("KV checksum head placement: {e}")))?;
+        let placement = HeadPlacement {
+            head_offset: heads.first as u32,
+            global_kv_heads: global_kv_heads as u32,
+            replica: ReplicaKey {
+                replicas: heads.replicas as u32,
+                index: heads.replica_index as u32,
+            },
+        };
         let worker = WorkerId {
             tp_rank: rank.tp_rank as u32,
             pp_rank: rank.pp_rank as u32,
         };
         let setup = WorkerChecksums::from_storage(worker, &storage, &config, |_| placement);
-        Ok(Self::new(setup, storage))
+        Self::new(setup, storage)
     }
 
     pub fn worker(&self) -> WorkerId {

@@ -196,7 +196,7 @@ pub(crate) struct LocalSide {
     // Released in Drop, in this order, before `agent` and `_memory`.
     dlist: Option<XferDlistHandle>,
     /// Lists over the same memory in smaller blocks, by ratio (peers with smaller blocks).
-    split: Mutex<HashMap<usize, Arc<SplitList>>>,
+    split: SplitLists,
     registrations: Vec<RegistrationHandle>,
     pub(crate) table: DescTable,
     pub(crate) agent: Agent,
@@ -215,31 +215,19 @@ impl LocalSide {
 
     /// The local memory as blocks `ratio` times smaller, prepared once per ratio.
     pub(crate) fn split_list(&self, ratio: usize) -> Result<Arc<SplitList>, KvConnectorError> {
-        let mut lists = self.split.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(l) = lists.get(&ratio) {
-            return Ok(l.clone());
-        }
-        let table = self.table.split(ratio)?;
-        let dlist = prepare_dlist(&self.agent, "", &table)
-            .map_err(|e| nixl_err("split descriptor list preparation", e))?;
-        let list = Arc::new(SplitList { dlist, table });
-        lists.insert(ratio, list.clone());
-        Ok(list)
+        self.split.get(&self.agent, "", &self.table, ratio)
     }
 }
 
 impl Drop for LocalSide {
     fn drop(&mut self) {
         drop(self.dlist.take());
-        self.split
-            .get_mut()
-            .unwrap_or_else(|e| e.into_inner())
-            .clear();
+        self.split.clear();
         self.registrations.clear();
     }
 }
 
-/// The local memory described in smaller blocks (see [`DescTable::split`]).
+/// One side's memory described in smaller blocks (see [`DescTable::split`]).
 pub(crate) struct SplitList {
     pub(crate) dlist: XferDlistHandle,
     pub(crate) table: DescTable,
@@ -248,6 +236,37 @@ pub(crate) struct SplitList {
 // SAFETY: as for LocalSide (an immutable prepared list, used only in NIXL calls).
 unsafe impl Send for SplitList {}
 unsafe impl Sync for SplitList {}
+
+/// A side's split lists, prepared once per split factor and kept until the side is dropped.
+#[derive(Default)]
+struct SplitLists(Mutex<HashMap<usize, Arc<SplitList>>>);
+
+impl SplitLists {
+    /// `table` cut in `factor`, prepared for `agent_name` ("" = local) on first use.
+    fn get(
+        &self,
+        agent: &Agent,
+        agent_name: &str,
+        table: &DescTable,
+        factor: usize,
+    ) -> Result<Arc<SplitList>, KvConnectorError> {
+        let mut lists = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(l) = lists.get(&factor) {
+            return Ok(l.clone());
+        }
+        let table = table.split(factor)?;
+        let dlist = prepare_dlist(agent, agent_name, &table)
+            .map_err(|e| nixl_err("split descriptor list preparation", e))?;
+        let list = Arc::new(SplitList { dlist, table });
+        lists.insert(factor, list.clone());
+        Ok(list)
+    }
+
+    /// Releases the lists (before the side's memory or metadata goes).
+    fn clear(&mut self) {
+        self.0.get_mut().unwrap_or_else(|e| e.into_inner()).clear();
+    }
+}
 
 /// A peer whose handshake we accepted: its metadata is loaded and its list prepared.
 pub(crate) struct PeerEntry {
@@ -263,7 +282,7 @@ pub(crate) struct PeerEntry {
     /// bytes with it); `None` otherwise.
     pub(crate) pairing: Option<Pairing>,
     /// The peer's memory in smaller units, by units per block (unit pairings).
-    split: Mutex<HashMap<usize, Arc<SplitList>>>,
+    split: SplitLists,
     agent: Agent,
 }
 
@@ -278,26 +297,14 @@ impl PeerEntry {
 
     /// The peer's memory as `units` units per block, prepared once per count.
     pub(crate) fn split_list(&self, units: usize) -> Result<Arc<SplitList>, KvConnectorError> {
-        let mut lists = self.split.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(l) = lists.get(&units) {
-            return Ok(l.clone());
-        }
-        let table = self.table.split(units)?;
-        let dlist = prepare_dlist(&self.agent, &self.name, &table)
-            .map_err(|e| nixl_err("peer split descriptor list preparation", e))?;
-        let list = Arc::new(SplitList { dlist, table });
-        lists.insert(units, list.clone());
-        Ok(list)
+        self.split.get(&self.agent, &self.name, &self.table, units)
     }
 }
 
 impl Drop for PeerEntry {
     fn drop(&mut self) {
         drop(self.dlist.take());
-        self.split
-            .get_mut()
-            .unwrap_or_else(|e| e.into_inner())
-            .clear();
+        self.split.clear();
         if let Err(e) = self.agent.invalidate_remote_md(&self.name) {
             tracing::debug!(peer = %self.name, error = %e, "invalidating NIXL peer metadata failed");
         }
@@ -474,7 +481,7 @@ impl NixlAgent {
             peers: Mutex::new(HashMap::new()),
             local: Arc::new(LocalSide {
                 dlist: Some(dlist),
-                split: Mutex::new(HashMap::new()),
+                split: SplitLists::default(),
                 registrations,
                 table,
                 agent: agent.clone(),
@@ -625,7 +632,7 @@ impl NixlAgent {
                 metadata: peer.agent_metadata.clone(),
                 table,
                 pairing,
-                split: Mutex::new(HashMap::new()),
+                split: SplitLists::default(),
                 agent: self.agent.clone(),
             }),
         );

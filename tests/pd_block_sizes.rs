@@ -156,7 +156,8 @@ async fn other_ratios_are_refused_naming_both_block_sizes() {
     common::wait_all_free(&[&d.prefill, &d.decode]).await;
     drop(d);
     // Push with a producer of smaller blocks: the consumer does not register; its load fails
-    // (recomputed here), and its log names both sizes.
+    // (recomputed here), its log names both sizes, and it releases the producer's hold at once
+    // (well inside the producer's 30 s lease).
     let d = deploy("push", "16", "32", "");
     let (st, v) = post(&d.proxy.base, "/v1/completions", &body).await;
     assert_eq!(st, 200, "{v}");
@@ -171,5 +172,5 @@ async fn other_ratios_are_refused_naming_both_block_sizes() {
         log.contains("the producer's block size 16 is not a multiple of this consumer's 32"),
         "{log}"
     );
-    common::wait_all_free(&[&d.prefill, &d.decode]).await;
+    common::wait_all_free_within(&[&d.prefill, &d.decode], std::time::Duration::from_secs(5)).await;
 }

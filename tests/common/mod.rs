@@ -237,6 +237,12 @@ pub fn dummy_gqa_config(dir: &std::path::Path) -> String {
 
 /// Waits until every instance holds no block and runs no request.
 pub async fn wait_all_free(servers: &[&Server]) {
+    wait_all_free_within(servers, Duration::from_secs(30)).await
+}
+
+/// [`wait_all_free`] with a bound shorter than a producer's lease: blocks freed by an explicit
+/// release, not by expiry.
+pub async fn wait_all_free_within(servers: &[&Server], limit: Duration) {
     let start = Instant::now();
     for s in servers {
         loop {
@@ -250,8 +256,8 @@ pub async fn wait_all_free(servers: &[&Server]) {
                 break;
             }
             assert!(
-                start.elapsed() < Duration::from_secs(30),
-                "{}: {free}/{total} blocks free",
+                start.elapsed() < limit,
+                "{}: {free}/{total} blocks free after {limit:?}",
                 s.base
             );
             tokio::time::sleep(Duration::from_millis(50)).await;

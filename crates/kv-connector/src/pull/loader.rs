@@ -488,7 +488,7 @@ impl LoaderThread {
         })
     }
 
-    fn post(&mut self, job: LoadJob, name: String) {
+    fn post(&mut self, mut job: LoadJob, name: String) {
         match &job.kind {
             LoadKind::Release => {
                 let r = self.release(&job, &name);
@@ -509,20 +509,26 @@ impl LoaderThread {
             }
             LoadKind::Read | LoadKind::Register | LoadKind::Reject(_) => {}
         }
-        let Some(body) = job.claim_body.clone() else {
+        let Some(mut body) = job.claim_body.clone() else {
             self.fail(&job, "a READ without the params to claim its lease".into());
             return;
         };
         let (path, what, auth_header) = if job.kind == LoadKind::Register {
             let (ours, theirs) = (self.agent.block_size(), self.agent.peer_block_size(&name));
-            if let Some(theirs) = theirs.filter(|t| !t.is_multiple_of(ours)) {
+            let mismatch = theirs.filter(|t| !t.is_multiple_of(ours));
+            // A release asks for no blocks, so it goes whatever the block sizes.
+            let release = mismatch.and_then(|_| crate::push::Registration::release_body(&body));
+            if let (Some(theirs), Some(release)) = (mismatch, release) {
                 let reason = format!(
                     "the producer's block size {theirs} is not a multiple of this consumer's \
                      {ours}: in push mode the producer's blocks must be a multiple of the \
                      consumer's"
                 );
                 self.fail(&job, reason);
-                return;
+                // The producer holds the prompt's blocks for this consumer: release them now
+                // rather than leave them held until its lease expires.
+                job.request_id = crate::push::worker::UNTRACKED;
+                body = release;
             }
             let path = crate::push::REGISTER_PATH;
             let signed = self.auth.as_ref().map(|a| a.sign_request("POST", path));

@@ -171,6 +171,26 @@ pub struct Registration {
     pub valid_ms: u64,
 }
 
+impl Registration {
+    /// The same registration asking for nothing: the producer frees its hold at once.
+    pub fn into_release(self) -> Registration {
+        Registration {
+            block_ids: Vec::new(),
+            ..self
+        }
+    }
+
+    /// The release for a serialized registration that asks for blocks; `None` for a release
+    /// (or a body that is not a registration).
+    pub fn release_body(body: &str) -> Option<String> {
+        let reg: Registration = serde_json::from_str(body).ok()?;
+        if reg.block_ids.is_empty() {
+            return None;
+        }
+        serde_json::to_string(&reg.into_release()).ok()
+    }
+}
+
 /// A producer request's finished blocks, waiting for (or matched with) its registration.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PushSpec {

@@ -44,7 +44,7 @@ use crate::pull::{HandshakeProvider, LoadKind, PeerAddr, PullWorkerConfig};
 /// How much longer than a registration's window the consumer waits before it may reuse blocks.
 pub const WRITE_GRACE: Duration = Duration::from_secs(1);
 /// Loader jobs that report nothing the worker tracks (notifications, releases).
-const UNTRACKED: u64 = u64::MAX;
+pub(crate) const UNTRACKED: u64 = u64::MAX;
 
 /// The producer's margin inside a registration's window: it neither posts nor keeps a WRITE
 /// in flight past `valid - margin`.

@@ -10,7 +10,8 @@ use std::process::Command;
 
 use common::{repo_root, Server};
 
-fn run_client_checks(base: &str, api_key: Option<&str>) {
+/// `pd`: `base` is the P/D proxy (requests that need the prompt computed locally are refused).
+fn run_client_checks(base: &str, api_key: Option<&str>, pd: bool) {
     let python = repo_root().join(".tools/python");
     assert!(
         python.join("openai").exists(),
@@ -19,7 +20,8 @@ fn run_client_checks(base: &str, api_key: Option<&str>) {
     let mut cmd = Command::new("python3");
     cmd.arg(repo_root().join("tests/openai/client_check.py"))
         .arg(base)
-        .env("PYTHONPATH", &python);
+        .env("PYTHONPATH", &python)
+        .env("TANDEM_CHECK_PD", if pd { "1" } else { "0" });
     if let Some(k) = api_key {
         cmd.arg(k);
     }
@@ -35,7 +37,7 @@ fn run_client_checks(base: &str, api_key: Option<&str>) {
 #[test]
 fn the_openai_client_against_an_instance() {
     let s = Server::serve(&["--api-key", "sk-tandem-test"]);
-    run_client_checks(&s.base, Some("sk-tandem-test"));
+    run_client_checks(&s.base, Some("sk-tandem-test"), false);
 }
 
 #[test]
@@ -54,5 +56,5 @@ fn the_openai_client_through_the_pd_proxy() {
         &["--prefill", &prefill.base, "--decode", &decode.base],
         &[],
     );
-    run_client_checks(&proxy.base, None);
+    run_client_checks(&proxy.base, None, true);
 }

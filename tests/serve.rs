@@ -366,7 +366,6 @@ async fn fields_that_would_change_the_output_are_refused_by_name() {
             ),
             ("tool_choice", json!("required")),
             ("typical_p", json!(0.5)),
-            ("prompt_logprobs", json!(1)),
             ("guided_json", json!({"type": "object"})),
             ("guided_regex", json!("[a-z]+")),
             ("guided_choice", json!(["yes", "no"])),
@@ -1097,4 +1096,154 @@ async fn the_exported_tokenizer_encodes_as_the_server_does() {
             "round trip"
         );
     }
+}
+
+/// vLLM's `prompt_logprobs` entry of token `id` at one prompt position: (logprob, rank).
+fn prompt_entry(position: &Value, id: u64) -> (f64, u64) {
+    let e = &position[id.to_string()];
+    (e["logprob"].as_f64().unwrap(), e["rank"].as_u64().unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prompt_logprobs_and_echo_equal_the_logprobs_of_each_prefix() {
+    let s = Server::serve(&[]);
+    let (st, tok) = post(
+        &s,
+        "/tokenize",
+        json!({"prompt": "The capital of France is Paris. The capital of Italy is"}),
+    )
+    .await;
+    assert_eq!(st, 200, "{tok}");
+    let ids: Vec<u64> = tok["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    let body = json!({"prompt": ids, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 3,
+                      "logprobs": 2, "echo": true, "return_token_ids": true});
+    let (st, full) = post(&s, "/v1/completions", body.clone()).await;
+    assert_eq!(st, 200, "{full}");
+    let choice = &full["choices"][0];
+    let plp = choice["prompt_logprobs"].as_array().unwrap();
+    assert_eq!(plp.len(), ids.len());
+    assert!(plp[0].is_null(), "nothing predicts the first token");
+    // Each position holds the prompt token's logprob and rank: the rank-1 token and its logprob
+    // are what greedy decoding of the prefix before it returns.
+    for i in 1..ids.len() {
+        let entries = plp[i].as_object().unwrap();
+        assert!((3..=4).contains(&entries.len()), "{i}: {entries:?}");
+        let (own, own_rank) = prompt_entry(&plp[i], ids[i]);
+        let (st, next) = post(
+            &s,
+            "/v1/completions",
+            json!({"prompt": &ids[..i], "max_tokens": 1, "temperature": 0, "logprobs": 1,
+                   "return_token_ids": true}),
+        )
+        .await;
+        assert_eq!(st, 200, "{next}");
+        let best = next["choices"][0]["token_ids"][0].as_u64().unwrap();
+        let best_lp = next["choices"][0]["logprobs"]["token_logprobs"][0]
+            .as_f64()
+            .unwrap();
+        let (lp, rank) = prompt_entry(&plp[i], best);
+        assert_eq!(rank, 1, "position {i}: {entries:?}, greedy {best}");
+        assert!(
+            (lp - best_lp).abs() < 1e-2,
+            "position {i}: {lp} vs {best_lp}"
+        );
+        assert_eq!(own_rank == 1, ids[i] == best, "position {i}");
+        assert!(own <= lp + 1e-6);
+        // echo + logprobs: the prompt's tokens come first, with the same logprobs
+        let echoed = &choice["logprobs"]["token_logprobs"][i];
+        assert!(
+            (echoed.as_f64().unwrap() - own).abs() < 1e-6,
+            "{echoed} vs {own}"
+        );
+    }
+    let echoed = &choice["logprobs"];
+    assert!(echoed["token_logprobs"][0].is_null() && echoed["top_logprobs"][0].is_null());
+    assert_eq!(
+        echoed["tokens"].as_array().unwrap().len(),
+        ids.len() + 2,
+        "{echoed}"
+    );
+    // Again (a prefix-cache hit is not taken) and streamed: the same values.
+    let (_, again) = post(&s, "/v1/completions", body.clone()).await;
+    assert_eq!(
+        again["choices"][0]["prompt_logprobs"],
+        choice["prompt_logprobs"]
+    );
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let r = client()
+        .post(s.url("/v1/completions"))
+        .json(&streamed)
+        .send()
+        .await
+        .unwrap();
+    let events: Vec<Value> = sse_events(r)
+        .await
+        .iter()
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    let with_prompt: Vec<&Value> = events
+        .iter()
+        .filter(|e| !e["choices"][0]["prompt_logprobs"].is_null())
+        .collect();
+    assert_eq!(with_prompt.len(), 1, "{events:?}");
+    assert_eq!(
+        with_prompt[0]["choices"][0]["prompt_logprobs"],
+        choice["prompt_logprobs"]
+    );
+    // A prompt longer than one step's prompt-logprob rows: every position answered.
+    let long = "The quick brown fox jumps over the lazy dog. ".repeat(40);
+    let (st, b) = post(
+        &s,
+        "/v1/completions",
+        json!({"prompt": long, "max_tokens": 1, "prompt_logprobs": 0}),
+    )
+    .await;
+    assert_eq!(st, 200, "{b}");
+    let plp = b["choices"][0]["prompt_logprobs"].as_array().unwrap();
+    assert_eq!(
+        plp.len() as u64,
+        b["usage"]["prompt_tokens"].as_u64().unwrap()
+    );
+    assert!(plp.len() > 300 && plp[1..].iter().all(|p| p.as_object().unwrap().len() == 1));
+    // Chat answers them once, at the top level.
+    let (st, c) = post(
+        &s,
+        "/v1/chat/completions",
+        json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+               "prompt_logprobs": 1}),
+    )
+    .await;
+    assert_eq!(st, 200, "{c}");
+    assert_eq!(
+        c["prompt_logprobs"].as_array().unwrap().len() as u64,
+        c["usage"]["prompt_tokens"].as_u64().unwrap()
+    );
+    // Where the prompt is not computed (P/D), refused by name; bounds as for logprobs.
+    for (extra, param) in [
+        (
+            json!({"prompt_logprobs": 1, "kv_transfer_params": {"do_remote_decode": true}}),
+            "prompt_logprobs",
+        ),
+        (
+            json!({"echo": true, "logprobs": 1, "kv_transfer_params": {"do_remote_decode": true}}),
+            "echo",
+        ),
+        (json!({"prompt_logprobs": 21}), "prompt_logprobs"),
+    ] {
+        let mut b = json!({"prompt": "hi", "max_tokens": 1});
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        let (st, e) = post(&s, "/v1/completions", b).await;
+        assert_eq!(st, 400, "{e}");
+        assert_eq!(e["error"]["param"], json!(param), "{e}");
+    }
+    common::wait_all_free(&[&s]).await;
 }

@@ -5,6 +5,7 @@ first failed check.
 Usage: python3 tests/openai/client_check.py BASE_URL [API_KEY]
 """
 
+import os
 import sys
 
 import openai
@@ -99,6 +100,30 @@ def main():
     rep = client.completions.create(model=model, prompt=loop, max_tokens=12, temperature=0,
                                     extra_body={"repetition_penalty": 1.5, "return_token_ids": True})
     check(token_ids(rep.choices[0]) != token_ids(plain.choices[0]), "repetition_penalty")
+
+    # lm-eval-harness's loglikelihood request: the prompt echoed with its tokens' logprobs
+    # (vLLM's prompt_logprobs too). In P/D the prompt is not computed where the answer is made:
+    # refused by name.
+    def loglikelihood():
+        return client.completions.create(
+            model=model, prompt="The capital of France is Paris", max_tokens=1, temperature=0,
+            echo=True, logprobs=1, extra_body={"prompt_logprobs": 1, "return_token_ids": True})
+    if os.environ.get("TANDEM_CHECK_PD") == "1":
+        expect_error(openai.BadRequestError, loglikelihood, param="prompt_logprobs")
+    else:
+        c = loglikelihood()
+        choice = c.choices[0]
+        lp = choice.logprobs
+        ids = (c.model_extra or {}).get("prompt_token_ids")
+        plp = (choice.model_extra or {}).get("prompt_logprobs")
+        check(choice.text.startswith("The capital of France is Paris"), choice.text)
+        check(isinstance(ids, list) and len(lp.tokens) == len(ids) + 1, (ids, lp.tokens))
+        check(lp.token_logprobs[0] is None and lp.top_logprobs[0] is None, lp)
+        check(plp[0] is None and len(plp) == len(ids), plp)
+        for i in range(1, len(ids)):
+            own = plp[i][str(ids[i])]
+            check(abs(own["logprob"] - lp.token_logprobs[i]) < 1e-5 and own["rank"] >= 1, (i, own))
+            check(own["logprob"] <= 0, own)
 
     # errors, by exception type, naming the field
     expect_error(openai.NotFoundError, lambda: client.completions.create(

@@ -23,8 +23,10 @@ use tandem_parallel::{KvHeadSlice, RankId};
 
 use crate::error::EngineError;
 use crate::kv_checksum::ChecksumWorker;
-use crate::sampling::Sampler;
-use crate::scheduler_output::{ChecksumRecord, SampledToken, SchedulerOutput, WorkerOutput};
+use crate::sampling::{logprobs_of, Sampler};
+use crate::scheduler_output::{
+    ChecksumRecord, ForwardOutput, PromptLogprobs, SampledToken, SchedulerOutput, WorkerOutput,
+};
 use crate::worker::{FlatBatch, Worker};
 
 /// One rank of an instance (the only one for TP 1, PP 1). See the module docs.
@@ -99,10 +101,10 @@ impl RankWorker {
     }
 
     /// Runs the forward; returns the sampled tokens (none on ranks that do not sample).
-    pub fn forward(&mut self, step: &SchedulerOutput) -> Result<Vec<SampledToken>, EngineError> {
-        let mut sampled = Vec::new();
+    pub fn forward(&mut self, step: &SchedulerOutput) -> Result<ForwardOutput, EngineError> {
+        let mut out = ForwardOutput::default();
         if !step.has_model_work() {
-            return Ok(sampled);
+            return Ok(out);
         }
         for s in step.scheduled.iter().filter(|_| self.samples) {
             if let Some(p) = &s.sampling {
@@ -140,7 +142,7 @@ impl RankWorker {
             .forward(&batch, &self.kv)
             .map_err(|e| EngineError::Execution(e.to_string()))?;
         if !self.samples {
-            return Ok(sampled);
+            return Ok(out);
         }
         let vocab = self.model.info().vocab_size;
         for (row, &id) in flat.sampled_requests.iter().enumerate() {
@@ -149,13 +151,34 @@ impl RankWorker {
                 .get_mut(&id)
                 .ok_or_else(|| EngineError::Execution(format!("no sampler for request {id}")))?;
             let (token_id, logprob) = sampler.sample(&logits[row * vocab..(row + 1) * vocab]);
-            sampled.push(SampledToken {
+            out.sampled.push(SampledToken {
                 request_id: id,
                 token_id,
                 logprob,
             });
         }
-        Ok(sampled)
+        let mut row = flat.sampled_requests.len();
+        for (id, first_position, targets) in &flat.prompt_rows {
+            let top = self
+                .samplers
+                .get(id)
+                .and_then(|s| s.params().prompt_logprobs)
+                .unwrap_or(0);
+            let logprobs = targets
+                .iter()
+                .map(|&t| {
+                    let lp = logprobs_of(&logits[row * vocab..(row + 1) * vocab], t, top);
+                    row += 1;
+                    lp
+                })
+                .collect();
+            out.prompt_logprobs.push(PromptLogprobs {
+                request_id: *id,
+                first_position: *first_position,
+                logprobs,
+            });
+        }
+        Ok(out)
     }
 
     /// After the forward (failed or not): the step's sends can be checksummed.
@@ -201,8 +224,10 @@ impl Worker for ModelWorker {
             .map_err(|e| EngineError::Execution(format!("starting KV transfers: {e}")))
             .and_then(|()| self.rank.forward(step));
         self.rank.start_sends(step);
+        let forward = sampled?;
         let mut out = WorkerOutput {
-            sampled: sampled?,
+            sampled: forward.sampled,
+            prompt_logprobs: forward.prompt_logprobs,
             ..Default::default()
         };
         out.connector_output = self.connector.get_finished();

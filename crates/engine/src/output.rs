@@ -15,6 +15,9 @@ pub struct RequestEvent {
     pub token_ids: Vec<u32>,
     pub text: String,
     pub logprobs: Vec<TokenLogprob>,
+    /// With the first output token, when prompt logprobs were asked: one entry per prompt token,
+    /// `None` for the first (nothing predicts it).
+    pub prompt_logprobs: Option<Vec<Option<TokenLogprob>>>,
     pub finish: Option<FinishReason>,
     /// Set with `finish`: the stop string that ended the request, if any.
     pub stop_reason: Option<String>,

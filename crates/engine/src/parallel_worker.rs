@@ -22,7 +22,7 @@ use tandem_parallel::{CpuWorld, ParallelConfig};
 use crate::error::EngineError;
 use crate::metrics as m;
 use crate::model_worker::RankWorker;
-use crate::scheduler_output::{SampledToken, SchedulerOutput, WorkerOutput};
+use crate::scheduler_output::{ForwardOutput, SchedulerOutput, WorkerOutput};
 use crate::worker::Worker;
 
 /// The ranks of one instance and its connector, driven together.
@@ -75,10 +75,10 @@ impl ParallelWorker {
         }
     }
 
-    /// Every rank's forward at once; the sampling rank's tokens, or the root-cause error.
-    fn forward_all(&mut self, step: &SchedulerOutput) -> Result<Vec<SampledToken>, EngineError> {
+    /// Every rank's forward at once; the sampling rank's output, or the root-cause error.
+    fn forward_all(&mut self, step: &SchedulerOutput) -> Result<ForwardOutput, EngineError> {
         let world = &self.world;
-        let results: Vec<Result<Vec<SampledToken>, EngineError>> = std::thread::scope(|s| {
+        let results: Vec<Result<ForwardOutput, EngineError>> = std::thread::scope(|s| {
             let handles: Vec<_> = self
                 .ranks
                 .iter_mut()
@@ -125,7 +125,7 @@ impl ParallelWorker {
             world.reset();
         }
         let driver = self.parallel.index(self.parallel.driver());
-        let mut sampled = Vec::new();
+        let mut sampled = ForwardOutput::default();
         for (i, r) in results.into_iter().enumerate() {
             match r {
                 Ok(tokens) if i == driver => sampled = tokens,
@@ -160,8 +160,10 @@ impl Worker for ParallelWorker {
             rank.start_sends(step);
         }
         self.report_collective_seconds();
+        let forward = sampled?;
         let mut out = WorkerOutput {
-            sampled: sampled?,
+            sampled: forward.sampled,
+            prompt_logprobs: forward.prompt_logprobs,
             ..Default::default()
         };
         out.connector_output = self.connector.get_finished();

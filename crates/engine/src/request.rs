@@ -11,7 +11,7 @@ use serde_json::Value;
 
 use crate::detokenizer::IncrementalDetokenizer;
 use crate::output::RequestEvent;
-use crate::sampling::SamplingParams;
+use crate::sampling::{SamplingParams, TokenLogprob};
 
 /// Where a request is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -87,6 +87,9 @@ pub struct Request {
     /// Its KV load failed and it waits to recompute locally: the next admission counts the
     /// tokens it computes again.
     pub recomputing_failed_load: bool,
+    /// With prompt logprobs asked: one entry per prompt token, filled as steps compute them
+    /// (sent with the first output token); empty otherwise.
+    pub prompt_logprobs: Vec<Option<TokenLogprob>>,
 }
 
 impl Request {
@@ -122,7 +125,13 @@ impl Request {
             sink,
             sent_to_worker: false,
             recomputing_failed_load: false,
+            prompt_logprobs: Vec::new(),
         }
+    }
+
+    /// Whether this step's rows must return prompt logprobs (asked, and not yet sent).
+    pub fn wants_prompt_logprobs(&self) -> bool {
+        self.params.prompt_logprobs.is_some() && self.num_output_tokens() == 0
     }
 
     pub fn num_tokens(&self) -> usize {

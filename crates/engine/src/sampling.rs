@@ -28,6 +28,9 @@ pub struct SamplingParams {
     pub include_stop_str_in_output: bool,
     /// Number of top log-probabilities to return per output token (None: no logprobs).
     pub logprobs: Option<usize>,
+    /// Number of top log-probabilities to return per prompt token, besides the prompt token's
+    /// own (None: none). The request skips the prefix cache: every prompt position is computed.
+    pub prompt_logprobs: Option<usize>,
     pub skip_special_tokens: bool,
     /// Subtracted from the logit of every token the output already holds (OpenAI's, [-2, 2]).
     pub presence_penalty: f32,
@@ -56,6 +59,7 @@ impl Default for SamplingParams {
             stop_token_ids: Vec::new(),
             include_stop_str_in_output: false,
             logprobs: None,
+            prompt_logprobs: None,
             skip_special_tokens: true,
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
@@ -115,11 +119,14 @@ impl SamplingParams {
                 ),
             ));
         }
-        if let Some(n) = self.logprobs {
-            if n > MAX_LOGPROBS {
+        for (name, n) in [
+            ("logprobs", self.logprobs),
+            ("prompt_logprobs", self.prompt_logprobs),
+        ] {
+            if let Some(n) = n.filter(|&n| n > MAX_LOGPROBS) {
                 return Err(invalid(
-                    "logprobs",
-                    format!("at most {MAX_LOGPROBS} logprobs may be requested, got {n}"),
+                    name,
+                    format!("at most {MAX_LOGPROBS} {name} may be requested, got {n}"),
                 ));
             }
         }
@@ -200,6 +207,8 @@ impl SamplingParams {
 pub struct TokenLogprob {
     pub token_id: u32,
     pub logprob: f32,
+    /// 1 + the number of tokens more likely than this one.
+    pub rank: usize,
     /// The `n` most likely tokens with their log-probabilities, most likely first.
     pub top: Vec<(u32, f32)>,
 }
@@ -239,6 +248,10 @@ impl Sampler {
             context,
             output_counts: HashMap::new(),
         }
+    }
+
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
     }
 
     /// Picks the next token from one row of logits.
@@ -389,9 +402,11 @@ pub fn logprobs_of(logits: &[f32], token: u32, n: usize) -> TokenLogprob {
             .map(|i| (i, logits[i as usize] - lse))
             .collect();
     }
+    let own = logits[token as usize];
     TokenLogprob {
         token_id: token,
-        logprob: logits[token as usize] - lse,
+        logprob: own - lse,
+        rank: 1 + logits.iter().filter(|&&l| l > own).count(),
         top,
     }
 }

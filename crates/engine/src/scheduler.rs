@@ -40,6 +40,10 @@ use crate::kv_checksum::{KvChecksumConfig, WorkerGrid};
 use crate::metrics as m;
 use crate::output::RequestEvent;
 use crate::request::{FinishReason, NewRequest, Request, RequestStatus};
+
+/// Most prompt tokens of a request with prompt logprobs computed in one step (each returns a
+/// row of logits over the vocabulary).
+const PROMPT_LOGPROBS_CHUNK: usize = 256;
 use crate::scheduler_output::{ScheduledRequest, SchedulerOutput, WorkerOutput};
 
 /// What happens to a request whose KV load failed.
@@ -337,6 +341,10 @@ impl Scheduler {
         if self.config.long_prefill_token_threshold > 0 {
             n = n.min(self.config.long_prefill_token_threshold);
         }
+        if req.wants_prompt_logprobs() {
+            // Each row returns a vocabulary of logits: bound them per step.
+            n = n.min(PROMPT_LOGPROBS_CHUNK);
+        }
         n.min(budget)
     }
 
@@ -353,6 +361,12 @@ impl Scheduler {
             .filter(|p| p.repetition_penalty != 1.0)
             .map(|_| req.all_token_ids.clone());
         req.sent_to_worker = true;
+        let prompt_logprob_targets = if req.wants_prompt_logprobs() {
+            let end = (start + num_new + 1).min(req.num_prompt_tokens);
+            req.all_token_ids[(start + 1).min(end)..end].to_vec()
+        } else {
+            Vec::new()
+        };
         ScheduledRequest {
             request_id: id,
             sampling,
@@ -361,6 +375,7 @@ impl Scheduler {
             start_position: start,
             block_table: table,
             sample: start + num_new == req.num_tokens(),
+            prompt_logprob_targets,
         }
     }
 
@@ -419,7 +434,8 @@ impl Scheduler {
             // A request holds blocks here only after its remote load completed (or failed
             // and keeps its verified blocks: it resumes after them).
             let fresh = self.kv.block_table(id).is_empty();
-            let prefix = if fresh {
+            // Prompt logprobs need every prompt position's logits: no prefix hit.
+            let prefix = if fresh && req.params.prompt_logprobs.is_none() {
                 self.kv.find_cached_prefix(&req.all_token_ids, &[])
             } else {
                 CachedPrefix::default()
@@ -610,6 +626,19 @@ impl Scheduler {
             .into_iter()
             .map(|s| (s.request_id, s))
             .collect();
+        for chunk in worker.prompt_logprobs {
+            let Some(req) = self.requests.get_mut(&chunk.request_id) else {
+                continue;
+            };
+            if req.prompt_logprobs.len() != req.num_prompt_tokens {
+                req.prompt_logprobs = vec![None; req.num_prompt_tokens];
+            }
+            for (i, lp) in chunk.logprobs.into_iter().enumerate() {
+                if let Some(slot) = req.prompt_logprobs.get_mut(chunk.first_position + i) {
+                    *slot = Some(lp);
+                }
+            }
+        }
         let mut prompt_tokens = 0u64;
         for s in &out.scheduled {
             let id = s.request_id;
@@ -685,10 +714,16 @@ impl Scheduler {
             finish = Some(FinishReason::Stop);
             stop_reason = delta.stopped_by;
         }
+        let prompt_logprobs = (n_out == 1 && p.prompt_logprobs.is_some()).then(|| {
+            let mut all = std::mem::take(&mut req.prompt_logprobs);
+            all.resize(req.num_prompt_tokens, None);
+            all
+        });
         let event = RequestEvent {
             token_ids: vec![token],
             text: delta.text,
             logprobs: logprob.into_iter().collect(),
+            prompt_logprobs,
             ..Default::default()
         };
         match finish {

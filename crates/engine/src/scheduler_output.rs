@@ -28,6 +28,9 @@ pub struct ScheduledRequest {
     pub block_table: Vec<BlockId>,
     /// The step reaches the request's last known token: sample the next one.
     pub sample: bool,
+    /// With prompt logprobs asked: the prompt token each of this step's rows predicts, from the
+    /// first row on (fewer than `token_ids` where the prompt ends); empty otherwise.
+    pub prompt_logprob_targets: Vec<u32>,
 }
 
 /// Blocks of one request for every worker to checksum.
@@ -89,6 +92,23 @@ pub struct SampledToken {
     pub logprob: Option<TokenLogprob>,
 }
 
+/// Log-probabilities of prompt tokens computed in one step for one request.
+#[derive(Debug, Clone)]
+pub struct PromptLogprobs {
+    pub request_id: u64,
+    /// Prompt position of the token of `logprobs[0]` (at least 1: the first token has none).
+    pub first_position: usize,
+    pub logprobs: Vec<TokenLogprob>,
+}
+
+/// What a rank's forward returns: sampled tokens and prompt logprobs (none on ranks that do
+/// not sample).
+#[derive(Debug, Default)]
+pub struct ForwardOutput {
+    pub sampled: Vec<SampledToken>,
+    pub prompt_logprobs: Vec<PromptLogprobs>,
+}
+
 /// Which side of a transfer a checksum record is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ChecksumSide {
@@ -112,6 +132,7 @@ pub struct ChecksumRecord {
 #[derive(Debug, Default)]
 pub struct WorkerOutput {
     pub sampled: Vec<SampledToken>,
+    pub prompt_logprobs: Vec<PromptLogprobs>,
     pub connector_output: ConnectorOutput,
     /// Checksum records finished since the last step (every record of a job exactly once).
     pub checksum_records: Vec<ChecksumRecord>,

@@ -20,9 +20,13 @@ pub struct FlatBatch {
     pub slot_mapping: Vec<usize>,
     /// (query_start, query_len, context_len) per scheduled request.
     pub seqs: Vec<(usize, usize, usize)>,
-    /// Rows whose logits are sampled, and for which request.
+    /// Rows whose logits are returned: the sampled rows, then the prompt-logprob rows.
     pub logits_indices: Vec<usize>,
+    /// The request of each sampled row, in order.
     pub sampled_requests: Vec<u64>,
+    /// Per request with prompt logprobs this step, in the order of their rows after the sampled
+    /// ones: (request id, prompt position of the first target, the target tokens).
+    pub prompt_rows: Vec<(u64, usize, Vec<u32>)>,
 }
 
 impl FlatBatch {
@@ -44,6 +48,16 @@ impl FlatBatch {
                 b.logits_indices.push(start + n - 1);
                 b.sampled_requests.push(s.request_id);
             }
+        }
+        let mut start = 0;
+        for s in &step.scheduled {
+            let targets = &s.prompt_logprob_targets;
+            if !targets.is_empty() {
+                b.logits_indices.extend(start..start + targets.len());
+                b.prompt_rows
+                    .push((s.request_id, s.start_position + 1, targets.clone()));
+            }
+            start += s.token_ids.len();
         }
         b
     }

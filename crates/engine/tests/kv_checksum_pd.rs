@@ -566,6 +566,7 @@ impl Worker for GridWorker {
                     logprob: None,
                 })
                 .collect(),
+            prompt_logprobs: Vec::new(),
             connector_output,
             checksum_records,
         })

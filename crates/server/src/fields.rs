@@ -70,7 +70,6 @@ fn refusal(name: &str) -> Option<&'static str> {
         "typical_p" | "top_a" => "this sampling control is not supported",
         "best_of" => "best_of is supported on /v1/completions only",
         "use_beam_search" | "length_penalty" => "beam search is not supported",
-        "prompt_logprobs" => "prompt logprobs are not supported",
         "echo" => "echo is supported on /v1/completions only",
         "suffix" => "suffix (insertion) is not supported",
         "truncate_prompt_tokens" => "prompt truncation is not supported; send a prompt that fits",
@@ -152,7 +151,6 @@ mod tests {
             ("tool_choice", json!("required")),
             ("typical_p", json!(0.9)),
             ("best_of", json!(3)),
-            ("prompt_logprobs", json!(1)),
             ("guided_json", json!({"type": "object"})),
             ("guided_choice", json!(["a", "b"])),
             ("guided_regex", json!("[0-9]+")),
@@ -168,7 +166,7 @@ mod tests {
         for v in [
             json!({"length_penalty": 1.0, "best_of": 1, "allowed_token_ids": []}),
             json!({"response_format": {"type": "text"}, "tools": [], "tool_choice": "none"}),
-            json!({"prompt_logprobs": null, "use_beam_search": false, "guided_json": null}),
+            json!({"use_beam_search": false, "guided_json": null}),
             json!({"user": "u1", "metadata": {"k": "v"}, "store": true, "service_tier": "auto"}),
             json!({"some_new_field": 1, "another": "x"}),
         ] {

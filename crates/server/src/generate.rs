@@ -44,6 +44,9 @@ pub struct Generation {
     pub stream: bool,
     pub include_usage: bool,
     pub return_token_ids: bool,
+    /// vLLM's `prompt_logprobs`: answered with this many alternatives per prompt token (per
+    /// choice on `/v1/completions`, once on chat).
+    pub prompt_logprobs: Option<usize>,
     pub kv_transfer_params: Option<Value>,
 }
 
@@ -76,12 +79,20 @@ impl Generation {
     }
 }
 
+impl GenPrompt {
+    /// With `echo` and `logprobs`: the alternatives per echoed prompt token.
+    fn echo_logprobs(&self) -> Option<usize> {
+        self.echo.as_ref().and(self.params.logprobs)
+    }
+}
+
 /// One finished choice.
 #[derive(Debug, Default)]
 struct Choice {
     text: String,
     token_ids: Vec<u32>,
     logprobs: Vec<TokenLogprob>,
+    prompt_logprobs: Option<Vec<Option<TokenLogprob>>>,
     finish: Option<RequestEvent>,
 }
 
@@ -167,6 +178,71 @@ fn logprobs_json(state: &AppState, endpoint: Endpoint, lps: &[TokenLogprob]) -> 
     }
 }
 
+/// vLLM's `prompt_logprobs`: per prompt token, `null` for the first (nothing predicts it), else
+/// the token and its `top` most likely alternatives keyed by token id, each with its logprob,
+/// rank and text.
+fn prompt_logprobs_json(state: &AppState, lps: &[Option<TokenLogprob>], top: usize) -> Value {
+    let entry = |id: u32, logprob: f32, rank: usize| json!({"logprob": logprob, "rank": rank, "decoded_token": state.tokenizer.token_text(id)});
+    lps.iter()
+        .map(|lp| {
+            let Some(lp) = lp else {
+                return Value::Null;
+            };
+            let mut m = serde_json::Map::new();
+            m.insert(
+                lp.token_id.to_string(),
+                entry(lp.token_id, lp.logprob, lp.rank),
+            );
+            for (i, &(id, l)) in lp.top.iter().take(top).enumerate() {
+                m.entry(id.to_string())
+                    .or_insert_with(|| entry(id, l, i + 1));
+            }
+            Value::Object(m)
+        })
+        .collect()
+}
+
+/// `echo` with `logprobs` on `/v1/completions`: the prompt's tokens go before the output's in
+/// the `logprobs` object, the first with `null` logprob and alternatives, as vLLM answers.
+fn prepend_prompt_logprobs(
+    state: &AppState,
+    logprobs: &mut Value,
+    ids: &[u32],
+    lps: &[Option<TokenLogprob>],
+    top: usize,
+) {
+    let mut prepend = |key: &str, items: Vec<Value>| {
+        if let Some(Value::Array(a)) = logprobs.get_mut(key) {
+            a.splice(0..0, items);
+        }
+    };
+    let tokens = ids
+        .iter()
+        .map(|&id| json!(state.tokenizer.token_text(id)))
+        .collect();
+    let values = lps
+        .iter()
+        .map(|lp| json!(lp.as_ref().map(|lp| lp.logprob)))
+        .collect();
+    let tops = lps
+        .iter()
+        .map(|lp| {
+            let Some(lp) = lp else {
+                return Value::Null;
+            };
+            let mut m = serde_json::Map::new();
+            m.insert(state.tokenizer.token_text(lp.token_id), json!(lp.logprob));
+            for &(id, l) in lp.top.iter().take(top) {
+                m.entry(state.tokenizer.token_text(id)).or_insert(json!(l));
+            }
+            Value::Object(m)
+        })
+        .collect();
+    prepend("tokens", tokens);
+    prepend("token_logprobs", values);
+    prepend("top_logprobs", tops);
+}
+
 fn response_id(endpoint: Endpoint, request_id: &str) -> String {
     match endpoint {
         Endpoint::Chat => format!("chatcmpl-{request_id}"),
@@ -199,7 +275,10 @@ async fn full_response(
 ) -> Result<Response, ApiError> {
     let results = futures::future::join_all(streams.into_iter().map(|mut s| async move {
         let mut c = Choice::default();
-        while let Some(ev) = s.next().await {
+        while let Some(mut ev) = s.next().await {
+            if ev.prompt_logprobs.is_some() {
+                c.prompt_logprobs = ev.prompt_logprobs.take();
+            }
             c.text.push_str(&ev.text);
             c.token_ids.extend(&ev.token_ids);
             c.logprobs.extend(ev.logprobs.iter().cloned());
@@ -216,6 +295,8 @@ async fn full_response(
     let (mut completion, mut cached, prompt) = (discarded, 0, g.total_prompt_tokens());
     let mut kv_params = Value::Null;
     let batch = g.prompts.len() > 1;
+    // Chat answers the prompt's logprobs once, at the top level.
+    let mut prompt_logprobs_out = Vec::new();
     for (i, c) in results.into_iter().enumerate() {
         let fin = c.finish.ok_or(ApiError::Engine(EngineError::EngineDead))?;
         if let Some(e) = fin.error {
@@ -231,11 +312,20 @@ async fn full_response(
             kv_params = fin.kv_transfer_params.clone().unwrap_or(Value::Null);
         }
         let finish_reason = fin.finish.map(|f| f.as_str());
-        let logprobs = if this_prompt.params.logprobs.is_some() {
+        let mut logprobs = if this_prompt.params.logprobs.is_some() {
             logprobs_json(&state, g.endpoint, &c.logprobs)
         } else {
             Value::Null
         };
+        let prompt_lps = c.prompt_logprobs.as_deref().unwrap_or_default();
+        if let Some(top) = this_prompt.echo_logprobs() {
+            prepend_prompt_logprobs(&state, &mut logprobs, &this_prompt.ids, prompt_lps, top);
+        }
+        if let Some(top) = g.prompt_logprobs {
+            if i == 0 || g.endpoint == Endpoint::Completions {
+                prompt_logprobs_out.push(prompt_logprobs_json(&state, prompt_lps, top));
+            }
+        }
         let mut choice = match g.endpoint {
             Endpoint::Chat => json!({
                 "index": i,
@@ -264,6 +354,11 @@ async fn full_response(
                 choice["prompt_token_ids"] = json!(this_prompt.ids);
             }
         }
+        if g.endpoint == Endpoint::Completions {
+            if let Some(p) = prompt_logprobs_out.pop() {
+                choice["prompt_logprobs"] = p;
+            }
+        }
         choices.push(choice);
     }
     let object = match g.endpoint {
@@ -281,6 +376,9 @@ async fn full_response(
     });
     if g.return_token_ids && !batch {
         body["prompt_token_ids"] = json!(g.prompts[0].ids);
+    }
+    if let Some(p) = prompt_logprobs_out.pop() {
+        body["prompt_logprobs"] = p;
     }
     Ok(Json(body).into_response())
 }
@@ -383,6 +481,14 @@ fn stream_response(
     let usage_end = usage_state.clone();
     let endpoint = g.endpoint;
     let want_logprobs = g.wants_logprobs();
+    let prompt_logprobs_top = g.prompt_logprobs;
+    // Per choice, with `echo` and `logprobs`: the prompt and its alternatives per token.
+    let echo_logprobs: Vec<Option<(Vec<u32>, usize)>> = (0..num_choices)
+        .map(|i| {
+            let p = g.prompt_of(i);
+            p.echo_logprobs().map(|top| (p.ids.clone(), top))
+        })
+        .collect();
     let n = g.n.max(1);
     let return_ids = g.return_token_ids;
     let include_usage = g.include_usage;
@@ -399,11 +505,18 @@ fn stream_response(
                 u.2 += ev.num_cached_tokens;
             }
         }
-        let logprobs = if want_logprobs && !ev.logprobs.is_empty() {
+        let mut logprobs = if want_logprobs && !ev.logprobs.is_empty() {
             logprobs_json(&state, endpoint, &ev.logprobs)
         } else {
             Value::Null
         };
+        let prompt_lps = ev.prompt_logprobs.as_deref();
+        if let (Some(lps), Some((ids, top))) = (prompt_lps, &echo_logprobs[i]) {
+            prepend_prompt_logprobs(&state, &mut logprobs, ids, lps, *top);
+        }
+        let prompt_logprobs = prompt_lps
+            .zip(prompt_logprobs_top)
+            .map(|(lps, top)| prompt_logprobs_json(&state, lps, top));
         let finish_reason = ev.finish.map(|f| f.as_str());
         let mut choice = match endpoint {
             Endpoint::Chat => json!({
@@ -425,7 +538,15 @@ fn stream_response(
         if return_ids {
             choice["token_ids"] = json!(ev.token_ids);
         }
+        if let (Endpoint::Completions, Some(p)) = (endpoint, &prompt_logprobs) {
+            choice["prompt_logprobs"] = p.clone();
+        }
         let mut c = chunk2(json!([choice]));
+        if let (Endpoint::Chat, Some(p)) = (endpoint, prompt_logprobs) {
+            if i == 0 {
+                c["prompt_logprobs"] = p;
+            }
+        }
         if ev.finish.is_some() {
             if let Some(kvp) = &ev.kv_transfer_params {
                 c["kv_transfer_params"] = kvp.clone();

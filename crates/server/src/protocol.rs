@@ -71,6 +71,8 @@ pub struct CommonParams {
     pub min_p: Option<f32>,
     /// Token id (as a string, OpenAI's form) to a bias added to its logit.
     pub logit_bias: Option<std::collections::BTreeMap<String, f32>>,
+    /// vLLM's: the logprob of every prompt token with this many most likely alternatives.
+    pub prompt_logprobs: Option<usize>,
     /// Every other field of the request (see [`crate::fields`]).
     #[serde(flatten)]
     pub extra: serde_json::Map<String, Value>,

@@ -205,6 +205,9 @@ fn sampling_params(
     logprobs: Option<usize>,
 ) -> Result<SamplingParams, ApiError> {
     check_decode_room(state, c, prompt_len)?;
+    if c.prompt_logprobs.is_some() {
+        refuse_prompt_logprobs_in_pd(c, "prompt_logprobs")?;
+    }
     let max_tokens = match max_tokens {
         Some(m) => m,
         None => state.max_model_len.saturating_sub(prompt_len).max(1),
@@ -221,6 +224,7 @@ fn sampling_params(
         stop_token_ids: c.stop_token_ids.clone().unwrap_or_default(),
         include_stop_str_in_output: c.include_stop_str_in_output,
         logprobs,
+        prompt_logprobs: c.prompt_logprobs,
         skip_special_tokens: c.skip_special_tokens.unwrap_or(true),
         presence_penalty: c.presence_penalty.unwrap_or(0.0),
         frequency_penalty: c.frequency_penalty.unwrap_or(0.0),
@@ -228,6 +232,21 @@ fn sampling_params(
         min_p: c.min_p.unwrap_or(0.0),
         logit_bias: logit_bias(c)?,
     })
+}
+
+/// Prompt logprobs need the prompt computed where the answer is made: a P/D consumer loads it
+/// and a producer's answer is not the client's, so `param` is refused in P/D.
+fn refuse_prompt_logprobs_in_pd(c: &CommonParams, param: &str) -> Result<(), ApiError> {
+    if is_local(&c.kv_transfer_params) {
+        return Ok(());
+    }
+    Err(ApiError::bad_request(
+        Some(param),
+        format!(
+            "{param} needs the prompt's logprobs, which P/D does not compute where the answer \
+             is made; send this request to a single instance"
+        ),
+    ))
 }
 
 /// OpenAI's `logit_bias` (token ids as strings) as pairs; the engine checks ids and ranges.
@@ -376,13 +395,18 @@ async fn completions(
             Source::Text(t) => (encode(&state, &t)?, Some(t)),
             Source::Ids(ids) => (ids, None),
         };
-        let params = sampling_params(
+        let mut params = sampling_params(
             &state,
             &req.common,
             req.common.max_tokens,
             ids.len(),
             req.logprobs,
         )?;
+        if let Some(k) = req.logprobs.filter(|_| req.echo) {
+            // The echoed prompt's tokens carry their logprobs too.
+            refuse_prompt_logprobs_in_pd(&req.common, "echo")?;
+            params.prompt_logprobs = Some(params.prompt_logprobs.unwrap_or(0).max(k));
+        }
         let echo = req
             .echo
             .then(|| text.unwrap_or_else(|| state.tokenizer.decode(&ids)));
@@ -424,6 +448,7 @@ fn generation(
             .as_ref()
             .is_some_and(|o| o.include_usage),
         return_token_ids: common.return_token_ids,
+        prompt_logprobs: common.prompt_logprobs,
         kv_transfer_params: common.kv_transfer_params.filter(|v| !v.is_null()),
     }
 }

@@ -359,16 +359,18 @@ async fn fields_that_would_change_the_output_are_refused_by_name() {
     ] {
         for (field, value) in [
             ("allowed_token_ids", json!([100])),
-            ("response_format", json!({"type": "json_object"})),
+            ("response_format", json!({"type": "yaml"})),
             (
                 "tools",
-                json!([{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+                json!([{"type": "function", "function": {"name": "f g", "parameters": {}}}]),
             ),
-            ("tool_choice", json!("required")),
+            ("tool_choice", json!("sometimes")),
             ("typical_p", json!(0.5)),
-            ("guided_json", json!({"type": "object"})),
-            ("guided_regex", json!("[a-z]+")),
-            ("guided_choice", json!(["yes", "no"])),
+            ("guided_json", json!([1])),
+            ("guided_regex", json!("[a-z")),
+            ("guided_choice", json!([])),
+            ("guided_grammar", json!("root ::= \"a\"")),
+            ("functions", json!([{"name": "f"}])),
         ] {
             let mut b = base.clone();
             b[field] = value;
@@ -382,6 +384,7 @@ async fn fields_that_would_change_the_output_are_refused_by_name() {
         for (field, value) in [
             ("best_of", json!(1)),
             ("response_format", json!({"type": "text"})),
+            ("tool_choice", json!("none")),
             ("user", json!("u-1")),
             ("metadata", json!({"team": "a"})),
             ("store", json!(false)),
@@ -1243,6 +1246,224 @@ async fn prompt_logprobs_and_echo_equal_the_logprobs_of_each_prefix() {
         }
         let (st, e) = post(&s, "/v1/completions", b).await;
         assert_eq!(st, 400, "{e}");
+        assert_eq!(e["error"]["param"], json!(param), "{e}");
+    }
+    common::wait_all_free(&[&s]).await;
+}
+
+/// The answer's object under a schema that bounds every field, so a complete object fits.
+fn bounded_schema() -> Value {
+    json!({"type": "object",
+           "properties": {"answer": {"type": "string", "maxLength": 24},
+                          "confidence": {"type": "integer", "minimum": 0, "maximum": 100}},
+           "required": ["answer", "confidence"], "additionalProperties": false})
+}
+
+fn check_bounded(text: &str) {
+    let v: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+    let o = v.as_object().unwrap();
+    assert_eq!(o.len(), 2, "{text}");
+    assert!(
+        v["answer"].as_str().unwrap().chars().count() <= 24,
+        "{text}"
+    );
+    assert!(
+        (0..=100).contains(&v["confidence"].as_i64().unwrap()),
+        "{text}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn structured_outputs_and_forced_tool_calls_follow_their_grammar() {
+    let s = Server::serve(&[]);
+    let questions = [
+        "What is the capital of France?",
+        "Name a primary color.",
+        "How many legs does a spider have?",
+        "Who wrote Hamlet?",
+    ];
+    let chat = |q: &str, extra: Value| {
+        let mut b = json!({"messages": [{"role": "user", "content": q}], "max_tokens": 60,
+                           "temperature": 0});
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        b
+    };
+    // Every form, concurrently over several prompts (the masks batch).
+    let forms = [
+        json!({"response_format": {"type": "json_schema",
+               "json_schema": {"name": "a", "schema": bounded_schema()}}}),
+        json!({"guided_json": bounded_schema(), "temperature": 1.0, "seed": 3}),
+        json!({"structured_outputs": {"json": bounded_schema()}}),
+        json!({"guided_choice": ["yes", "no", "maybe"]}),
+        json!({"guided_regex": "[0-9]{3}-[0-9]{4}"}),
+    ];
+    let mut calls = Vec::new();
+    for q in questions {
+        for f in &forms {
+            let body = chat(q, f.clone());
+            let s = &s;
+            calls.push(async move { (body.clone(), post(s, "/v1/chat/completions", body).await) });
+        }
+    }
+    for (sent, (st, body)) in futures::future::join_all(calls).await {
+        assert_eq!(st, 200, "{sent}: {body}");
+        let c = &body["choices"][0];
+        assert_eq!(c["finish_reason"], "stop", "{sent}: {body}");
+        let text = c["message"]["content"].as_str().unwrap();
+        if sent.get("guided_choice").is_some() {
+            assert!(["yes", "no", "maybe"].contains(&text), "{text:?}");
+        } else if sent.get("guided_regex").is_some() {
+            let b = text.as_bytes();
+            assert!(
+                b.len() == 8
+                    && b[3] == b'-'
+                    && text.replace('-', "").bytes().all(|c| c.is_ascii_digit()),
+                "{text:?}"
+            );
+        } else {
+            check_bounded(text);
+        }
+    }
+    // json_object, and n sampled choices on /v1/completions, each under the grammar.
+    let (st, b) = post(
+        &s,
+        "/v1/completions",
+        json!({"prompt": "A JSON object describing a cat:", "max_tokens": 60, "n": 3,
+               "temperature": 1.0, "seed": 5, "guided_json": bounded_schema()}),
+    )
+    .await;
+    assert_eq!(st, 200, "{b}");
+    for c in b["choices"].as_array().unwrap() {
+        check_bounded(c["text"].as_str().unwrap());
+    }
+    let (st, b) = post(
+        &s,
+        "/v1/chat/completions",
+        chat(
+            "Describe Paris as JSON.",
+            json!({"response_format": {"type": "json_object"}, "max_tokens": 200}),
+        ),
+    )
+    .await;
+    assert_eq!(st, 200, "{b}");
+    let c = &b["choices"][0];
+    let text = c["message"]["content"].as_str().unwrap();
+    if c["finish_reason"] == "stop" {
+        assert!(
+            serde_json::from_str::<Value>(text).unwrap().is_object(),
+            "{text}"
+        );
+    } else {
+        assert!(text.trim_start().starts_with('{'), "{text}");
+    }
+    // Tools: a named function gets its arguments; required gets one or more offered calls.
+    let tools = json!([
+        {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+            "additionalProperties": false}}},
+        {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object",
+            "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+            "required": ["zone"], "additionalProperties": false}}}]);
+    let named = chat(
+        "What is the weather in Paris?",
+        json!({"tools": tools,
+               "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
+    );
+    let (st, b) = post(&s, "/v1/chat/completions", named.clone()).await;
+    assert_eq!(st, 200, "{b}");
+    let c = &b["choices"][0];
+    assert_eq!(c["finish_reason"], "tool_calls", "{b}");
+    assert!(c["message"]["content"].is_null(), "{b}");
+    let call = &c["message"]["tool_calls"][0];
+    assert_eq!(call["type"], "function");
+    assert_eq!(call["function"]["name"], "get_weather");
+    let args: Value =
+        serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+    assert!(args["city"].is_string(), "{args}");
+    // streamed: the same call, whole, in the last chunk
+    let mut streamed = named.clone();
+    streamed["stream"] = json!(true);
+    let r = client()
+        .post(s.url("/v1/chat/completions"))
+        .json(&streamed)
+        .send()
+        .await
+        .unwrap();
+    let events: Vec<Value> = sse_events(r)
+        .await
+        .iter()
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    let last = events
+        .iter()
+        .rfind(|e| !e["choices"][0]["finish_reason"].is_null())
+        .unwrap();
+    assert_eq!(
+        last["choices"][0]["finish_reason"], "tool_calls",
+        "{events:?}"
+    );
+    let streamed_call = &last["choices"][0]["delta"]["tool_calls"][0];
+    assert_eq!(streamed_call["function"], call["function"]);
+    assert_eq!(streamed_call["index"], 0);
+    let (st, b) = post(
+        &s,
+        "/v1/chat/completions",
+        chat(
+            "What time is it in Berlin?",
+            json!({"tools": tools, "tool_choice": "required"}),
+        ),
+    )
+    .await;
+    assert_eq!(st, 200, "{b}");
+    let calls = b["choices"][0]["message"]["tool_calls"].as_array().unwrap();
+    assert!(!calls.is_empty(), "{b}");
+    for call in calls {
+        let name = call["function"]["name"].as_str().unwrap();
+        let args: Value =
+            serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+        match name {
+            "get_weather" => assert!(args["city"].is_string(), "{args}"),
+            "get_time" => assert!(["UTC", "CET"].contains(&args["zone"].as_str().unwrap())),
+            other => panic!("{other}"),
+        }
+    }
+    // auto: plain content (no tool-call format in this model's template)
+    let (st, b) = post(
+        &s,
+        "/v1/chat/completions",
+        chat(
+            "Hi",
+            json!({"tools": tools, "tool_choice": "auto", "max_tokens": 4}),
+        ),
+    )
+    .await;
+    assert_eq!(st, 200, "{b}");
+    assert!(b["choices"][0]["message"]["content"].is_string(), "{b}");
+    // What cannot be honoured is refused by name.
+    for (extra, param) in [
+        (
+            json!({"guided_choice": ["a"], "ignore_eos": true}),
+            "ignore_eos",
+        ),
+        (
+            json!({"guided_choice": ["a"], "min_tokens": 2}),
+            "min_tokens",
+        ),
+        (
+            json!({"guided_choice": ["a"], "guided_regex": "a"}),
+            "guided_choice",
+        ),
+        (
+            json!({"guided_choice": ["a"], "tools": tools, "tool_choice": "required"}),
+            "tool_choice",
+        ),
+        (json!({"guided_regex": "(unclosed"}), "guided_regex"),
+    ] {
+        let (st, e) = post(&s, "/v1/chat/completions", chat("Hi", extra.clone())).await;
+        assert_eq!(st, 400, "{extra}: {e}");
         assert_eq!(e["error"]["param"], json!(param), "{e}");
     }
     common::wait_all_free(&[&s]).await;

@@ -516,6 +516,45 @@ impl TextTokenizer {
             .get(&id)
             .is_some_and(|t| t.special)
     }
+    /// Every token's bytes as they stand in text, by id (`vocab_size` entries): byte-level BPE
+    /// symbols mapped back to their bytes, SentencePiece's `▁` as a space and `<0xNN>` as that
+    /// byte; a special token as `0xFF` then its name (it never stands for text). What
+    /// structured outputs build their token trie from.
+    pub fn token_bytes(&self) -> Vec<Vec<u8>> {
+        let byte_level = matches!(
+            self.inner.get_decoder(),
+            Some(tokenizers::DecoderWrapper::ByteLevel(_))
+        );
+        let symbols = byte_level_symbols();
+        (0..self.vocab_size() as u32)
+            .map(|id| {
+                let Some(token) = self.inner.id_to_token(id) else {
+                    return Vec::new();
+                };
+                if self.is_special(id) {
+                    let mut b = vec![0xFF];
+                    b.extend_from_slice(token.as_bytes());
+                    return b;
+                }
+                if byte_level {
+                    let bytes: Option<Vec<u8>> =
+                        token.chars().map(|c| symbols.get(&c).copied()).collect();
+                    // An added (non-special) token is its text as written.
+                    return bytes.unwrap_or_else(|| token.into_bytes());
+                }
+                if let Some(b) = token
+                    .strip_prefix("<0x")
+                    .and_then(|t| t.strip_suffix('>'))
+                    .filter(|h| h.len() == 2)
+                    .and_then(|h| u8::from_str_radix(h, 16).ok())
+                {
+                    return vec![b];
+                }
+                token.replace(SPIECE_SPACE, " ").into_bytes()
+            })
+            .collect()
+    }
+
     /// The underlying `tokenizers` tokenizer.
     pub fn inner(&self) -> &Tokenizer {
         &self.inner
@@ -541,6 +580,24 @@ impl TextTokenizer {
 fn dedup(ids: &mut Vec<u32>) {
     let mut seen = std::collections::HashSet::new();
     ids.retain(|i| seen.insert(*i));
+}
+
+/// Byte-level BPE's printable stand-in for each byte (GPT-2's table), reversed: the bytes
+/// 33..=126, 161..=172 and 174..=255 stand for themselves, the others for 256, 257, … in order.
+fn byte_level_symbols() -> std::collections::HashMap<char, u8> {
+    let mut next = 256u32;
+    (0..=255u8)
+        .map(|b| {
+            let own = matches!(b, 33..=126 | 161..=172 | 174..=255);
+            let c = if own {
+                b as u32
+            } else {
+                next += 1;
+                next - 1
+            };
+            (char::from_u32(c).expect("a valid char"), b)
+        })
+        .collect()
 }
 
 /// Turns a stream of token ids into text pieces that are safe to send: a piece is emitted only

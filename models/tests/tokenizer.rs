@@ -10,9 +10,22 @@ use tandem_models::{ChatMessage, IncrementalDetokenizer, WeightMode};
 /// Every golden string encodes to transformers' ids and decodes back to its text, and every
 /// golden chat renders to transformers' text.
 fn check_golden(tok: &tandem_models::TextTokenizer, g: &serde_json::Value) {
+    let bytes = tok.token_bytes();
+    assert_eq!(bytes.len(), tok.vocab_size());
     for e in g["encode"].as_array().unwrap() {
         let text = e["text"].as_str().unwrap();
         let want = ids(&e["ids"]);
+        // Each token's bytes (what structured outputs mask by) spell the decoded text.
+        let spelled: Vec<u8> = want
+            .iter()
+            .filter(|&&id| !tok.is_special(id))
+            .flat_map(|&id| bytes[id as usize].clone())
+            .collect();
+        assert_eq!(
+            String::from_utf8_lossy(&spelled),
+            tok.decode(&want, true).unwrap(),
+            "token bytes of {text:?}"
+        );
         assert_eq!(tok.encode(text, true).unwrap(), want, "encode {text:?}");
         assert_eq!(
             tok.decode(&want, false).unwrap(),

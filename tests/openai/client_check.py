@@ -5,6 +5,7 @@ first failed check.
 Usage: python3 tests/openai/client_check.py BASE_URL [API_KEY]
 """
 
+import json
 import os
 import sys
 
@@ -101,6 +102,34 @@ def main():
                                     extra_body={"repetition_penalty": 1.5, "return_token_ids": True})
     check(token_ids(rep.choices[0]) != token_ids(plain.choices[0]), "repetition_penalty")
 
+    # structured outputs: a JSON schema, a choice, a forced tool call (in P/D the decode
+    # instance constrains what it samples, and so does the producer)
+    schema = {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "population_millions": {"type": "integer", "minimum": 0, "maximum": 50}},
+        "required": ["city", "population_millions"], "additionalProperties": False}
+    for q in ["Name a large city.", "Which city is the capital of Japan?", "Pick any city."]:
+        c = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": q}], max_tokens=60, temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}})
+        v = json.loads(c.choices[0].message.content)
+        check(set(v) == {"city", "population_millions"} and isinstance(v["city"], str)
+              and 0 <= v["population_millions"] <= 50, v)
+    c = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0,
+                                       extra_body={"guided_choice": ["Paris", "Lyon", "Nice"]})
+    check(c.choices[0].message.content in ("Paris", "Lyon", "Nice"), c.choices[0].message.content)
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+        "required": ["city"], "additionalProperties": False}}}
+    c = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Weather in Rome?"}], max_tokens=40,
+        temperature=0, tools=[weather],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    calls = c.choices[0].message.tool_calls
+    check(c.choices[0].finish_reason == "tool_calls" and calls and
+          calls[0].function.name == "get_weather", c.choices[0])
+    check(isinstance(json.loads(calls[0].function.arguments)["city"], str), calls[0])
+
     # lm-eval-harness's loglikelihood request: the prompt echoed with its tokens' logprobs
     # (vLLM's prompt_logprobs too). In P/D the prompt is not computed where the answer is made:
     # refused by name.
@@ -131,7 +160,7 @@ def main():
     expect_error(openai.BadRequestError, lambda: client.completions.create(
         model=model, prompt="hi", max_tokens=2, temperature=-1), param="temperature")
     expect_error(openai.BadRequestError, lambda: client.chat.completions.create(
-        model=model, messages=messages, max_tokens=2, response_format={"type": "json_object"}),
+        model=model, messages=messages, max_tokens=2, response_format={"type": "yaml"}),
         param="response_format")
     expect_error(openai.BadRequestError, lambda: client.completions.create(
         model=model, prompt="hi", max_tokens=2, logit_bias={"99999999": 5}), param="logit_bias")

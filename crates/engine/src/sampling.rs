@@ -9,6 +9,8 @@ use std::collections::{HashMap, HashSet};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
+use tandem_structured::GuidedDecoder;
+
 use crate::error::EngineError;
 
 /// Per-request sampling and stopping parameters.
@@ -43,6 +45,9 @@ pub struct SamplingParams {
     pub min_p: f32,
     /// Added to the logits of these token ids before anything else ([-100, 100] each).
     pub logit_bias: Vec<(u32, f32)>,
+    /// A grammar the output must follow (structured outputs): tokens it refuses are never
+    /// sampled; once it is complete only its EOS is.
+    pub guide: Option<GuidedDecoder>,
 }
 
 impl Default for SamplingParams {
@@ -66,6 +71,7 @@ impl Default for SamplingParams {
             repetition_penalty: 1.0,
             min_p: 0.0,
             logit_bias: Vec::new(),
+            guide: None,
         }
     }
 }
@@ -109,6 +115,22 @@ impl SamplingParams {
                 "max_tokens",
                 "max_tokens must be at least 1".into(),
             ));
+        }
+        if self.guide.is_some() {
+            for (name, set) in [
+                ("ignore_eos", self.ignore_eos),
+                ("min_tokens", self.min_tokens > 0),
+            ] {
+                if set {
+                    return Err(invalid(
+                        name,
+                        format!(
+                            "{name} cannot be combined with structured outputs: a complete \
+                             output ends with EOS"
+                        ),
+                    ));
+                }
+            }
         }
         if self.min_tokens > self.max_tokens {
             return Err(invalid(
@@ -227,12 +249,15 @@ pub struct Sampler {
     context: HashSet<u32>,
     /// Occurrences of each token this sampler produced, when a penalty is on.
     output_counts: HashMap<u32, u32>,
+    /// The request's grammar state (taken out of `params`), advanced with each sampled token.
+    guide: Option<GuidedDecoder>,
 }
 
 impl Sampler {
     /// A sampler for a request whose context so far is `context` (its prompt; used only by the
     /// repetition penalty).
-    pub fn new(params: SamplingParams, context: &[u32]) -> Self {
+    pub fn new(mut params: SamplingParams, context: &[u32]) -> Self {
+        let guide = params.guide.take();
         let rng = match params.seed {
             Some(s) => StdRng::seed_from_u64(s),
             None => StdRng::from_os_rng(),
@@ -247,6 +272,7 @@ impl Sampler {
             rng,
             context,
             output_counts: HashMap::new(),
+            guide,
         }
     }
 
@@ -256,7 +282,10 @@ impl Sampler {
 
     /// Picks the next token from one row of logits.
     pub fn sample(&mut self, logits: &[f32]) -> (u32, Option<TokenLogprob>) {
-        let adjusted = self.params.adjusts_logits().then(|| self.adjust(logits));
+        let mut adjusted = self.params.adjusts_logits().then(|| self.adjust(logits));
+        if let Some(guide) = self.guide.as_mut() {
+            guide.mask(adjusted.get_or_insert_with(|| logits.to_vec()));
+        }
         let row = adjusted.as_deref().unwrap_or(logits);
         let token = if self.params.is_greedy() {
             argmax(row)
@@ -265,6 +294,9 @@ impl Sampler {
         };
         if self.params.penalizes() {
             *self.output_counts.entry(token).or_insert(0) += 1;
+        }
+        if let Some(guide) = self.guide.as_mut() {
+            guide.accept(token);
         }
         let lp = self.params.logprobs.map(|n| logprobs_of(logits, token, n));
         (token, lp)

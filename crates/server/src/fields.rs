@@ -4,7 +4,7 @@
 //! the field silently ignored. So every field outside [`crate::protocol`]'s structs is one of:
 //! - **refused**: a field of the OpenAI or vLLM API that would change the output and that Tandem
 //!   does not implement; a 400 names it (`param`), unless its value is the one that changes
-//!   nothing (`best_of: 1`, `response_format: {"type": "text"}`, `null`, …);
+//!   nothing (`best_of: 1`, `tool_choice: "none"`, `null`, …);
 //! - **accepted**: fields that change nothing about the output (`user`, `metadata`, `store`, …);
 //! - **unknown**: anything else is accepted, as vLLM does, with one warning per field name in the
 //!   log (at most [`MAX_WARNED_NAMES`] names are remembered, so hostile clients cannot grow it).
@@ -45,7 +45,9 @@ fn asks_for_nothing(name: &str, value: &Value) -> bool {
         "use_beam_search" | "echo" | "continue_final_message" => value == &Value::Bool(false),
         "spaces_between_special_tokens" => value == &Value::Bool(true),
         "priority" => number_is(0.0),
-        "response_format" => value.get("type").and_then(Value::as_str) == Some("text"),
+        "guided_decoding_backend" => {
+            matches!(value.as_str(), Some("auto" | "llguidance" | "guidance"))
+        }
         "tool_choice" | "function_call" => value.as_str() == Some("none"),
         "modalities" => value == &serde_json::json!(["text"]),
         "suffix" => value.as_str() == Some(""),
@@ -58,15 +60,13 @@ fn asks_for_nothing(name: &str, value: &Value) -> bool {
 fn refusal(name: &str) -> Option<&'static str> {
     Some(match name {
         "allowed_token_ids" | "bad_words" | "logits_processors" => "token masks are not supported",
-        "response_format"
-        | "guided_json"
-        | "guided_regex"
-        | "guided_choice"
-        | "guided_grammar"
-        | "guided_decoding_backend"
-        | "guided_whitespace_pattern"
-        | "structured_outputs" => "structured outputs are not supported",
-        "tools" | "tool_choice" | "functions" | "function_call" => "tool calls are not supported",
+        "guided_grammar" => {
+            "guided_grammar is not supported; use guided_json, guided_regex or guided_choice"
+        }
+        "guided_decoding_backend" => "llguidance is the only structured-output backend",
+        "guided_whitespace_pattern" => "guided_whitespace_pattern is not supported",
+        "tools" | "tool_choice" => "tool calls are supported on /v1/chat/completions only",
+        "functions" | "function_call" => "the legacy functions API is not supported; use tools",
         "typical_p" | "top_a" => "this sampling control is not supported",
         "best_of" => "best_of is supported on /v1/completions only",
         "use_beam_search" | "length_penalty" => "beam search is not supported",
@@ -143,7 +143,8 @@ mod tests {
     fn output_changing_fields_are_refused_by_name() {
         for (field, value) in [
             ("allowed_token_ids", json!([1, 2])),
-            ("response_format", json!({"type": "json_object"})),
+            ("guided_grammar", json!("root ::= \"a\"")),
+            ("guided_decoding_backend", json!("xgrammar")),
             (
                 "tools",
                 json!([{"type": "function", "function": {"name": "f"}}]),
@@ -151,9 +152,6 @@ mod tests {
             ("tool_choice", json!("required")),
             ("typical_p", json!(0.9)),
             ("best_of", json!(3)),
-            ("guided_json", json!({"type": "object"})),
-            ("guided_choice", json!(["a", "b"])),
-            ("guided_regex", json!("[0-9]+")),
             ("use_beam_search", json!(true)),
             ("cache_salt", json!("tenant-a")),
         ] {
@@ -165,8 +163,8 @@ mod tests {
     fn neutral_values_and_no_op_fields_pass() {
         for v in [
             json!({"length_penalty": 1.0, "best_of": 1, "allowed_token_ids": []}),
-            json!({"response_format": {"type": "text"}, "tools": [], "tool_choice": "none"}),
-            json!({"use_beam_search": false, "guided_json": null}),
+            json!({"tools": [], "tool_choice": "none", "guided_decoding_backend": "auto"}),
+            json!({"use_beam_search": false, "guided_grammar": null}),
             json!({"user": "u1", "metadata": {"k": "v"}, "store": true, "service_tier": "auto"}),
             json!({"some_new_field": 1, "another": "x"}),
         ] {

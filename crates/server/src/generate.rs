@@ -47,6 +47,8 @@ pub struct Generation {
     /// vLLM's `prompt_logprobs`: answered with this many alternatives per prompt token (per
     /// choice on `/v1/completions`, once on chat).
     pub prompt_logprobs: Option<usize>,
+    /// Chat with a tool choice that forces a call: how its output becomes `tool_calls`.
+    pub tool_calls: Option<crate::tools::ToolMode>,
     pub kv_transfer_params: Option<Value>,
 }
 
@@ -326,15 +328,27 @@ async fn full_response(
                 prompt_logprobs_out.push(prompt_logprobs_json(&state, prompt_lps, top));
             }
         }
-        let mut choice = match g.endpoint {
-            Endpoint::Chat => json!({
+        let calls = g
+            .tool_calls
+            .as_ref()
+            .filter(|_| fin.finish == Some(tandem_engine::FinishReason::Stop))
+            .and_then(|mode| crate::tools::calls(mode, &c.text, &g.request_id, i));
+        let mut choice = match (g.endpoint, calls) {
+            (Endpoint::Chat, Some(calls)) => json!({
+                "index": i,
+                "message": {"role": "assistant", "content": null, "tool_calls": calls},
+                "logprobs": logprobs,
+                "finish_reason": "tool_calls",
+                "stop_reason": fin.stop_reason,
+            }),
+            (Endpoint::Chat, None) => json!({
                 "index": i,
                 "message": {"role": "assistant", "content": c.text},
                 "logprobs": logprobs,
                 "finish_reason": finish_reason,
                 "stop_reason": fin.stop_reason,
             }),
-            Endpoint::Completions => {
+            (Endpoint::Completions, _) => {
                 let text = match &this_prompt.echo {
                     Some(p) => format!("{p}{}", c.text),
                     None => c.text,
@@ -482,6 +496,14 @@ fn stream_response(
     let endpoint = g.endpoint;
     let want_logprobs = g.wants_logprobs();
     let prompt_logprobs_top = g.prompt_logprobs;
+    // A forced tool call is sent whole with the choice's last event (its arguments are known
+    // to parse only then); until then its deltas are empty.
+    let tool_mode = g
+        .tool_calls
+        .clone()
+        .filter(|_| g.endpoint == Endpoint::Chat);
+    let request_id = g.request_id.clone();
+    let mut tool_text = vec![String::new(); num_choices];
     // Per choice, with `echo` and `logprobs`: the prompt and its alternatives per token.
     let echo_logprobs: Vec<Option<(Vec<u32>, usize)>> = (0..num_choices)
         .map(|i| {
@@ -534,6 +556,32 @@ fn stream_response(
         };
         if ev.finish.is_some() {
             choice["stop_reason"] = json!(ev.stop_reason);
+        }
+        if let Some(mode) = &tool_mode {
+            tool_text[i].push_str(&ev.text);
+            if ev.finish.is_none() {
+                choice["delta"] = json!({});
+            } else {
+                let text = std::mem::take(&mut tool_text[i]);
+                let calls = (ev.finish == Some(tandem_engine::FinishReason::Stop))
+                    .then(|| crate::tools::calls(mode, &text, &request_id, i))
+                    .flatten();
+                match calls {
+                    Some(calls) => {
+                        let deltas: Vec<Value> = calls
+                            .into_iter()
+                            .enumerate()
+                            .map(|(k, mut c)| {
+                                c["index"] = json!(k);
+                                c
+                            })
+                            .collect();
+                        choice["delta"] = json!({ "tool_calls": deltas });
+                        choice["finish_reason"] = json!("tool_calls");
+                    }
+                    None => choice["delta"] = json!({ "content": text }),
+                }
+            }
         }
         if return_ids {
             choice["token_ids"] = json!(ev.token_ids);

@@ -246,6 +246,7 @@ pub fn build_instance(
     );
     let tokenizer = Arc::new(loaded.tokenizer);
     let tok = Arc::new(Tokenizer(tokenizer.clone()));
+    let guidance = guidance(&tokenizer);
     let mut names = args.served_model_name.clone();
     if names.is_empty() {
         names.push(spec.clone());
@@ -358,8 +359,28 @@ pub fn build_instance(
         max_body_bytes: args.max_request_body_bytes,
         kv_peer,
         kv_admission,
+        guidance,
     };
     Ok(Instance { state, engine })
+}
+
+/// Structured outputs' view of the vocabulary: every token's bytes, ending on the first EOS.
+fn guidance(tokenizer: &TextTokenizer) -> Result<tandem_structured::Guidance, String> {
+    let started = std::time::Instant::now();
+    let eos = *tokenizer
+        .eos_token_ids()
+        .first()
+        .ok_or("the tokenizer has no EOS token")?;
+    let g =
+        tandem_structured::Guidance::new(&tokenizer.token_bytes(), eos).map_err(|e| e.to_string());
+    match &g {
+        Ok(_) => tracing::debug!(
+            seconds = format!("{:.2}", started.elapsed().as_secs_f64()),
+            "structured outputs ready"
+        ),
+        Err(e) => tracing::warn!("structured outputs are unavailable: {e}"),
+    }
+    g
 }
 
 /// `--load-format` and `--model-config`, and the spec to load: for dummy weights `--model` is

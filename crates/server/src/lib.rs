@@ -18,12 +18,14 @@ pub mod error;
 pub mod extract;
 pub mod fields;
 pub mod generate;
+pub mod guided;
 pub mod launch;
 pub mod probe;
 pub mod protocol;
 pub mod routes;
 pub mod state;
 pub mod tokenize;
+pub mod tools;
 
 pub use routes::app;
 pub use state::AppState;

@@ -73,6 +73,12 @@ pub struct CommonParams {
     pub logit_bias: Option<std::collections::BTreeMap<String, f32>>,
     /// vLLM's: the logprob of every prompt token with this many most likely alternatives.
     pub prompt_logprobs: Option<usize>,
+    /// Structured outputs (see [`crate::guided`]): OpenAI's form and vLLM's.
+    pub response_format: Option<Value>,
+    pub guided_json: Option<Value>,
+    pub guided_regex: Option<String>,
+    pub guided_choice: Option<Vec<String>>,
+    pub structured_outputs: Option<Value>,
     /// Every other field of the request (see [`crate::fields`]).
     #[serde(flatten)]
     pub extra: serde_json::Map<String, Value>,
@@ -121,6 +127,9 @@ pub struct ChatRequest {
     pub logprobs: bool,
     pub top_logprobs: Option<usize>,
     pub add_generation_prompt: Option<bool>,
+    /// Functions the model may call (see [`crate::tools`]).
+    pub tools: Option<Vec<Value>>,
+    pub tool_choice: Option<Value>,
     #[serde(flatten)]
     pub common: CommonParams,
 }

@@ -231,6 +231,7 @@ fn sampling_params(
         repetition_penalty: c.repetition_penalty.unwrap_or(1.0),
         min_p: c.min_p.unwrap_or(0.0),
         logit_bias: logit_bias(c)?,
+        guide: None,
     })
 }
 
@@ -389,6 +390,9 @@ async fn completions(
              send one prompt per request",
         ));
     }
+    let guide = crate::guided::requested(&req.common)?
+        .map(|r| crate::guided::compile(&state, &r))
+        .transpose()?;
     let mut prompts = Vec::with_capacity(texts.len());
     for prompt in texts {
         let (ids, text) = match prompt {
@@ -402,6 +406,7 @@ async fn completions(
             ids.len(),
             req.logprobs,
         )?;
+        params.guide = guide.clone();
         if let Some(k) = req.logprobs.filter(|_| req.echo) {
             // The echoed prompt's tokens carry their logprobs too.
             refuse_prompt_logprobs_in_pd(&req.common, "echo")?;
@@ -449,6 +454,7 @@ fn generation(
             .is_some_and(|o| o.include_usage),
         return_token_ids: common.return_token_ids,
         prompt_logprobs: common.prompt_logprobs,
+        tool_calls: None,
         kv_transfer_params: common.kv_transfer_params.filter(|v| !v.is_null()),
     }
 }
@@ -537,12 +543,23 @@ async fn chat_completions(
         None
     };
     let max_tokens = req.max_completion_tokens.or(req.common.max_tokens);
-    let params = sampling_params(&state, &req.common, max_tokens, prompt_ids.len(), logprobs)?;
+    let mut params = sampling_params(&state, &req.common, max_tokens, prompt_ids.len(), logprobs)?;
+    let forcing = crate::tools::forcing(req.tools.as_deref(), req.tool_choice.as_ref())?;
+    let own = crate::guided::requested(&req.common)?;
+    let wanted = crate::guided::one_of(
+        own.into_iter()
+            .chain(forcing.as_ref().map(|f| f.guide.clone()))
+            .collect(),
+    )?;
+    params.guide = wanted
+        .map(|r| crate::guided::compile(&state, &r))
+        .transpose()?;
     let prompt = GenPrompt {
         ids: prompt_ids,
         params,
         echo: None,
     };
-    let g = generation(Endpoint::Chat, &headers, req.common, vec![prompt], n);
+    let mut g = generation(Endpoint::Chat, &headers, req.common, vec![prompt], n);
+    g.tool_calls = forcing.map(|f| f.mode);
     respond(state, g).await
 }

@@ -39,6 +39,8 @@ pub struct AppState {
     pub kv_peer: Option<tandem_kv_connector::pull::KvPeerService>,
     /// A P/D instance's check of a request's `kv_transfer_params` before the engine sees them.
     pub kv_admission: Option<tandem_kv_connector::pull::KvAdmission>,
+    /// The vocabulary structured outputs compile against, or why there is none.
+    pub guidance: Result<tandem_structured::Guidance, String>,
 }
 
 impl AppState {

@@ -27,6 +27,19 @@ async fn get_json(s: &Server, path: &str) -> Value {
     r.json().await.unwrap()
 }
 
+/// `body` streamed to `path`: the JSON of every SSE event before `[DONE]`.
+async fn stream_json(s: &Server, path: &str, body: &Value) -> Vec<Value> {
+    let mut body = body.clone();
+    body["stream"] = json!(true);
+    let r = client().post(s.url(path)).json(&body).send().await.unwrap();
+    sse_events(r)
+        .await
+        .iter()
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect()
+}
+
 async fn complete_ids(s: &Server, prompt: &str, max_tokens: usize) -> Vec<u64> {
     let (st, body) = post(
         s,
@@ -1177,20 +1190,7 @@ async fn prompt_logprobs_and_echo_equal_the_logprobs_of_each_prefix() {
         again["choices"][0]["prompt_logprobs"],
         choice["prompt_logprobs"]
     );
-    let mut streamed = body.clone();
-    streamed["stream"] = json!(true);
-    let r = client()
-        .post(s.url("/v1/completions"))
-        .json(&streamed)
-        .send()
-        .await
-        .unwrap();
-    let events: Vec<Value> = sse_events(r)
-        .await
-        .iter()
-        .filter(|d| *d != "[DONE]")
-        .map(|d| serde_json::from_str(d).unwrap())
-        .collect();
+    let events = stream_json(&s, "/v1/completions", &body).await;
     let with_prompt: Vec<&Value> = events
         .iter()
         .filter(|e| !e["choices"][0]["prompt_logprobs"].is_null())
@@ -1383,20 +1383,7 @@ async fn structured_outputs_and_forced_tool_calls_follow_their_grammar() {
         serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
     assert!(args["city"].is_string(), "{args}");
     // streamed: the same call, whole, in the last chunk
-    let mut streamed = named.clone();
-    streamed["stream"] = json!(true);
-    let r = client()
-        .post(s.url("/v1/chat/completions"))
-        .json(&streamed)
-        .send()
-        .await
-        .unwrap();
-    let events: Vec<Value> = sse_events(r)
-        .await
-        .iter()
-        .filter(|d| *d != "[DONE]")
-        .map(|d| serde_json::from_str(d).unwrap())
-        .collect();
+    let events = stream_json(&s, "/v1/chat/completions", &named).await;
     let last = events
         .iter()
         .rfind(|e| !e["choices"][0]["finish_reason"].is_null())

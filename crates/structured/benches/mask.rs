@@ -15,7 +15,7 @@ use criterion::{criterion_group, criterion_main, Criterion};
 use serde_json::json;
 use tandem_models::loader::{resolve_model, LoadOptions};
 use tandem_models::TextTokenizer;
-use tandem_structured::{GuideSpec, Guidance, GuidedDecoder};
+use tandem_structured::{Guidance, GuideSpec, GuidedDecoder};
 
 fn tokenizer() -> TextTokenizer {
     let (_, source) = resolve_model("smollm2-135m", &LoadOptions::default())
@@ -55,13 +55,18 @@ fn bench(c: &mut Criterion) {
         "required": ["city", "population"], "additionalProperties": false}));
     let states = [
         ("json_in_string", at(&g, &schema, r#"{"city": "Par"#)),
-        ("json_after_key", at(&g, &schema, r#"{"city": "Paris", "population""#)),
+        (
+            "json_after_key",
+            at(&g, &schema, r#"{"city": "Paris", "population""#),
+        ),
         (
             "choice_start",
             at(&g, &GuideSpec::Choice(vec!["yes".into(), "no".into()]), ""),
         ),
     ];
-    let logits: Vec<f32> = (0..bytes.len()).map(|i| ((i * 7919) % 1000) as f32 * 0.01).collect();
+    let logits: Vec<f32> = (0..bytes.len())
+        .map(|i| ((i * 7919) % 1000) as f32 * 0.01)
+        .collect();
     let mut group = c.benchmark_group("mask");
     group.bench_function("log_softmax_reference", |b| {
         b.iter(|| black_box(log_softmax(black_box(&logits))))

@@ -43,7 +43,7 @@ use crate::request::{FinishReason, NewRequest, Request, RequestStatus};
 
 /// Most prompt tokens of a request with prompt logprobs computed in one step (each returns a
 /// row of logits over the vocabulary).
-const PROMPT_LOGPROBS_CHUNK: usize = 256;
+pub const PROMPT_LOGPROBS_CHUNK: usize = 256;
 use crate::scheduler_output::{ScheduledRequest, SchedulerOutput, WorkerOutput};
 
 /// What happens to a request whose KV load failed.
@@ -508,6 +508,9 @@ impl Scheduler {
             let mut num_new = remaining.min(budget);
             if self.config.long_prefill_token_threshold > 0 {
                 num_new = num_new.min(self.config.long_prefill_token_threshold);
+            }
+            if req.wants_prompt_logprobs() {
+                num_new = num_new.min(PROMPT_LOGPROBS_CHUNK);
             }
             if self
                 .kv

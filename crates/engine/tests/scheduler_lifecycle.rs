@@ -14,10 +14,12 @@ use std::sync::{Arc, Mutex};
 use serde_json::{json, Value};
 use tandem_engine::detokenizer::Detokenize;
 use tandem_engine::request::NewRequest;
-use tandem_engine::scheduler_output::{SampledToken, SchedulerOutput, WorkerOutput};
+use tandem_engine::scheduler_output::{
+    PromptLogprobs, SampledToken, SchedulerOutput, WorkerOutput,
+};
 use tandem_engine::{
     EngineError, EngineFault, EngineHandle, FaultyWorker, FinishReason, KvLoadFailurePolicy,
-    RequestEvent, SamplingParams, Scheduler, SchedulerConfig, Worker,
+    RequestEvent, SamplingParams, Scheduler, SchedulerConfig, TokenLogprob, Worker,
 };
 use tandem_kv_cache::{BlockId, KvCacheManager};
 use tandem_kv_connector::base::{
@@ -56,6 +58,8 @@ struct MockWorker {
     slots: HashMap<usize, u32>,
     /// Tokens of the step, for chunking checks.
     step_tokens: Vec<usize>,
+    /// Prompt-logprob targets of each step: (request, first position, targets).
+    prompt_targets: Vec<(u64, usize, Vec<u32>)>,
 }
 
 impl Worker for MockWorker {
@@ -63,6 +67,25 @@ impl Worker for MockWorker {
         let mut out = WorkerOutput::default();
         self.step_tokens.push(step.num_tokens());
         for s in &step.scheduled {
+            if !s.prompt_logprob_targets.is_empty() {
+                let first = s.start_position + 1;
+                self.prompt_targets
+                    .push((s.request_id, first, s.prompt_logprob_targets.clone()));
+                out.prompt_logprobs.push(PromptLogprobs {
+                    request_id: s.request_id,
+                    first_position: first,
+                    logprobs: s
+                        .prompt_logprob_targets
+                        .iter()
+                        .map(|&t| TokenLogprob {
+                            token_id: t,
+                            logprob: -1.0,
+                            rank: 1,
+                            top: Vec::new(),
+                        })
+                        .collect(),
+                });
+            }
             for (i, &t) in s.token_ids.iter().enumerate() {
                 let pos = s.start_position + i;
                 let slot = s.block_table[pos / BLOCK] as usize * BLOCK + pos % BLOCK;
@@ -738,5 +761,48 @@ fn a_panicking_step_fails_every_request_and_marks_the_engine_dead() {
         }
         assert!(std::time::Instant::now() < deadline, "after death: {s:?}");
         std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn prompt_logprobs_cover_every_prompt_position_in_bounded_steps_without_the_prefix_cache() {
+    let mut h = Harness::new(SchedulerConfig::default(), 512);
+    let p = prompt(5, 600);
+    let params = SamplingParams {
+        prompt_logprobs: Some(2),
+        ..greedy(3)
+    };
+    // The same prompt twice, one after the other: the second must not take the first's blocks
+    // from the prefix cache (their positions have no logits to give).
+    for round in 0..2 {
+        h.worker.prompt_targets.clear();
+        let id = h.add(p.clone(), params.clone());
+        h.run();
+        let chunks = &h.worker.prompt_targets;
+        assert!(
+            chunks.len() >= 3,
+            "600 tokens in steps of at most 256: {}",
+            chunks.len()
+        );
+        let mut next = 1;
+        for (req, first, targets) in chunks {
+            assert_eq!((*req, *first), (id, next), "round {round}");
+            assert!(targets.len() <= tandem_engine::scheduler::PROMPT_LOGPROBS_CHUNK);
+            assert_eq!(targets[..], p[next..next + targets.len()]);
+            next += targets.len();
+        }
+        assert_eq!(next, p.len(), "every prompt token after the first, once");
+        let rx = h.streams.get_mut(&id).unwrap();
+        let first = rx.try_recv().unwrap();
+        let lps = first.prompt_logprobs.expect("with the first token");
+        assert_eq!(lps.len(), p.len());
+        assert!(lps[0].is_none());
+        for (i, lp) in lps.iter().enumerate().skip(1) {
+            assert_eq!(lp.as_ref().unwrap().token_id, p[i]);
+        }
+        while let Ok(ev) = rx.try_recv() {
+            assert!(ev.prompt_logprobs.is_none(), "sent once");
+        }
+        h.assert_empty();
     }
 }

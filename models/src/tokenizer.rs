@@ -526,12 +526,14 @@ impl TextTokenizer {
             Some(tokenizers::DecoderWrapper::ByteLevel(_))
         );
         let symbols = byte_level_symbols();
+        // `get_added_tokens_decoder` clones the map: once, not per id.
+        let added = self.inner.get_added_tokens_decoder();
         (0..self.vocab_size() as u32)
             .map(|id| {
                 let Some(token) = self.inner.id_to_token(id) else {
                     return Vec::new();
                 };
-                if self.is_special(id) {
+                if added.get(&id).is_some_and(|t| t.special) {
                     let mut b = vec![0xFF];
                     b.extend_from_slice(token.as_bytes());
                     return b;

@@ -413,7 +413,12 @@ pub fn argmax(logits: &[f32]) -> u32 {
 /// Log-softmax of the raw logits at `token`, plus the top `n` entries.
 pub fn logprobs_of(logits: &[f32], token: u32, n: usize) -> TokenLogprob {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let lse = max + logits.iter().map(|l| (l - max).exp()).sum::<f32>().ln();
+    let own = logits[token as usize];
+    // One pass for the normalizer and the rank (how many tokens are more likely).
+    let (sum, above) = logits.iter().fold((0.0f32, 0usize), |(sum, above), &l| {
+        (sum + (l - max).exp(), above + usize::from(l > own))
+    });
+    let lse = max + sum.ln();
     let mut top: Vec<(u32, f32)> = Vec::new();
     if n > 0 {
         let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
@@ -434,11 +439,10 @@ pub fn logprobs_of(logits: &[f32], token: u32, n: usize) -> TokenLogprob {
             .map(|i| (i, logits[i as usize] - lse))
             .collect();
     }
-    let own = logits[token as usize];
     TokenLogprob {
         token_id: token,
         logprob: own - lse,
-        rank: 1 + logits.iter().filter(|&&l| l > own).count(),
+        rank: 1 + above,
         top,
     }
 }

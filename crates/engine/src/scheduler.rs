@@ -40,11 +40,11 @@ use crate::kv_checksum::{KvChecksumConfig, WorkerGrid};
 use crate::metrics as m;
 use crate::output::RequestEvent;
 use crate::request::{FinishReason, NewRequest, Request, RequestStatus};
+use crate::scheduler_output::{ScheduledRequest, SchedulerOutput, WorkerOutput};
 
 /// Most prompt tokens of a request with prompt logprobs computed in one step (each returns a
 /// row of logits over the vocabulary).
 pub const PROMPT_LOGPROBS_CHUNK: usize = 256;
-use crate::scheduler_output::{ScheduledRequest, SchedulerOutput, WorkerOutput};
 
 /// What happens to a request whose KV load failed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -337,15 +337,20 @@ impl Scheduler {
     }
 
     fn tokens_this_step(&self, req: &Request, budget: usize) -> usize {
-        let mut n = req.num_tokens() - req.num_computed_tokens;
+        self.chunk_bound(req, req.num_tokens() - req.num_computed_tokens)
+            .min(budget)
+    }
+
+    /// `n` tokens of `req` bounded to what one step may compute of it: the long-prefill
+    /// threshold, and the prompt-logprob rows (each returns a vocabulary of logits).
+    fn chunk_bound(&self, req: &Request, mut n: usize) -> usize {
         if self.config.long_prefill_token_threshold > 0 {
             n = n.min(self.config.long_prefill_token_threshold);
         }
         if req.wants_prompt_logprobs() {
-            // Each row returns a vocabulary of logits: bound them per step.
             n = n.min(PROMPT_LOGPROBS_CHUNK);
         }
-        n.min(budget)
+        n
     }
 
     fn scheduled_request(&mut self, id: u64, num_new: usize) -> ScheduledRequest {
@@ -505,13 +510,7 @@ impl Scheduler {
             if !self.config.enable_chunked_prefill && remaining > budget {
                 break;
             }
-            let mut num_new = remaining.min(budget);
-            if self.config.long_prefill_token_threshold > 0 {
-                num_new = num_new.min(self.config.long_prefill_token_threshold);
-            }
-            if req.wants_prompt_logprobs() {
-                num_new = num_new.min(PROMPT_LOGPROBS_CHUNK);
-            }
+            let num_new = self.chunk_bound(req, remaining.min(budget));
             if self
                 .kv
                 .allocate(id, local_computed + num_new, Some(&prefix))

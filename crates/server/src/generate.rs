@@ -298,7 +298,7 @@ async fn full_response(
     let mut kv_params = Value::Null;
     let batch = g.prompts.len() > 1;
     // Chat answers the prompt's logprobs once, at the top level.
-    let mut prompt_logprobs_out = Vec::new();
+    let mut chat_prompt_logprobs = None;
     for (i, c) in results.into_iter().enumerate() {
         let fin = c.finish.ok_or(ApiError::Engine(EngineError::EngineDead))?;
         if let Some(e) = fin.error {
@@ -323,11 +323,10 @@ async fn full_response(
         if let Some(top) = this_prompt.echo_logprobs() {
             prepend_prompt_logprobs(&state, &mut logprobs, &this_prompt.ids, prompt_lps, top);
         }
-        if let Some(top) = g.prompt_logprobs {
-            if i == 0 || g.endpoint == Endpoint::Completions {
-                prompt_logprobs_out.push(prompt_logprobs_json(&state, prompt_lps, top));
-            }
-        }
+        let prompt_logprobs = g
+            .prompt_logprobs
+            .filter(|_| i == 0 || g.endpoint == Endpoint::Completions)
+            .map(|top| prompt_logprobs_json(&state, prompt_lps, top));
         let calls = g
             .tool_calls
             .as_ref()
@@ -368,9 +367,10 @@ async fn full_response(
                 choice["prompt_token_ids"] = json!(this_prompt.ids);
             }
         }
-        if g.endpoint == Endpoint::Completions {
-            if let Some(p) = prompt_logprobs_out.pop() {
-                choice["prompt_logprobs"] = p;
+        if let Some(p) = prompt_logprobs {
+            match g.endpoint {
+                Endpoint::Completions => choice["prompt_logprobs"] = p,
+                Endpoint::Chat => chat_prompt_logprobs = Some(p),
             }
         }
         choices.push(choice);
@@ -391,7 +391,7 @@ async fn full_response(
     if g.return_token_ids && !batch {
         body["prompt_token_ids"] = json!(g.prompts[0].ids);
     }
-    if let Some(p) = prompt_logprobs_out.pop() {
+    if let Some(p) = chat_prompt_logprobs {
         body["prompt_logprobs"] = p;
     }
     Ok(Json(body).into_response())

@@ -22,7 +22,8 @@ pub struct Requested {
     pub spec: GuideSpec,
 }
 
-fn bad(param: &str, message: impl Into<String>) -> ApiError {
+/// A 400 naming `param`.
+pub(crate) fn bad(param: &str, message: impl Into<String>) -> ApiError {
     ApiError::bad_request(Some(param), message)
 }
 

@@ -16,7 +16,7 @@ use serde_json::{json, Value};
 use tandem_structured::GuideSpec;
 
 use crate::error::ApiError;
-use crate::guided::Requested;
+use crate::guided::{bad, Requested};
 
 /// How a forced call is read back from the output.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -36,10 +36,6 @@ pub struct Forcing {
 
 /// Longest function name OpenAI accepts.
 const MAX_NAME_LEN: usize = 64;
-
-fn bad(param: &str, message: impl Into<String>) -> ApiError {
-    ApiError::bad_request(Some(param), message)
-}
 
 /// The offered functions: (name, parameter schema).
 fn functions(tools: &[Value]) -> Result<Vec<(String, Value)>, ApiError> {

@@ -8,10 +8,15 @@
 //! #   MODEL default smollm2-135m, MODES default q8_0,f32,native, STEPS (decode steps) default 32,
 //! #   KV (cache dtype) default f32
 //! ```
+//!
+//! A mode may name the instruction set of Tandem's kernels after `@` (`native@portable`,
+//! `native@avx2`, `native@avx512`; see `tandem_models::cpu`), so variants compare in one run;
+//! without it the process's active set is used.
 
 use std::time::Instant;
 
 use tandem_kv_cache::{CacheDtype, KvCacheConfig, KvStorage};
+use tandem_models::cpu::Isa;
 use tandem_models::{load_model, CausalLm, ForwardBatch, LoadOptions, SeqBatch, WeightMode};
 
 const PROMPT_LEN: usize = 200;
@@ -97,11 +102,16 @@ fn prompt(i: usize, len: usize) -> Vec<u32> {
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let spec = args.first().map_or("smollm2-135m", String::as_str);
-    let modes: Vec<WeightMode> = args
+    let default_isa = Isa::active();
+    let modes: Vec<(WeightMode, Isa)> = args
         .get(1)
         .map_or("q8_0,f32,native", String::as_str)
         .split(',')
-        .map(|m| WeightMode::parse(m).expect("mode"))
+        .map(|m| {
+            let (mode, isa) = m.split_once('@').unwrap_or((m, default_isa.name()));
+            let isa = Isa::parse(isa).expect("instruction set: portable, avx2 or avx512");
+            (WeightMode::parse(mode).expect("mode"), isa)
+        })
         .collect();
     let steps: usize = args.get(2).map_or(32, |s| s.parse().expect("steps"));
     let kv_dtype = args
@@ -117,7 +127,8 @@ fn main() {
         "| weights | load s | weight MiB | prefill tok/s | decode tok/s (b=1) | decode tok/s (b={BATCH}, aggregate) | b={BATCH}/b=1 | step b=1 ms | weights/memcpy ms | ratio |"
     );
     println!("|---|---|---|---|---|---|---|---|---|---|");
-    for mode in modes {
+    for (mode, isa) in modes {
+        Isa::set_active(isa).expect("instruction set");
         let t = Instant::now();
         let m = load_model(
             spec,
@@ -181,7 +192,8 @@ fn main() {
         let step_ms = 1e3 * t1 / steps as f64;
         let weights_ms = 1e3 * m.info.weight_bytes as f64 / bw;
         println!(
-            "| {mode} | {load_s:.2} | {:.0} | {:.0} | {d1:.1} | {d16:.1} | {:.1}x | {step_ms:.2} | {weights_ms:.2} | {:.2} |",
+            "| {mode}@{} | {load_s:.2} | {:.0} | {:.0} | {d1:.1} | {d16:.1} | {:.1}x | {step_ms:.2} | {weights_ms:.2} | {:.2} |",
+            isa.name(),
             m.info.weight_bytes as f64 / (1 << 20) as f64,
             PROMPT_LEN as f64 / prefill,
             d16 / d1,

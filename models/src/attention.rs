@@ -5,8 +5,10 @@
 //!   (or the last `window` of them for sliding-window layers).
 //! - GQA without copies: query heads `g*G..(g+1)*G` share KV head `g`; the cache is walked block
 //!   by block and each block's rows of every KV head serve that head's queries while hot.
-//! - Scores: one kernel for every query, 16 keys at a time (AVX-512 where compiled in, a
-//!   portable dot otherwise), so a query's summation order never depends on the batch.
+//! - Scores: one kernel for every query, so a query's summation order never depends on the
+//!   batch. The whole tile is compiled per instruction set (`crate::cpu`): the AVX-512 variant
+//!   scores 16 keys at a time with FMAs (its sums differ from the others' in the last bits);
+//!   the AVX2 and portable variants use the same portable dot, so they agree bit for bit.
 //! - Online softmax over one cache block at a time (running max and sum), so no buffer grows
 //!   with the context and no gather copy of the context is made. f32 caches are read in place;
 //!   f16/bf16 caches are decoded one block of one head at a time into a small scratch.
@@ -19,6 +21,7 @@ use std::sync::OnceLock;
 
 use tandem_kv_cache::{CacheDtype, LayerKv};
 
+use crate::cpu::Isa;
 use crate::error::ModelError;
 use crate::model::SeqBatch;
 use crate::ops::{axpy, dot, exp_fast, exp_sub_sum};
@@ -77,6 +80,22 @@ pub fn paged_attention(
     cache: LayerCache,
     p: &AttentionParams,
 ) -> Result<Vec<f32>, ModelError> {
+    paged_attention_on(Isa::active(), q, seqs, cache, p)
+}
+
+/// [`paged_attention`] with the kernels compiled for `isa`, which this CPU must run.
+pub(crate) fn paged_attention_on(
+    isa: Isa,
+    q: &[f32],
+    seqs: &[SeqBatch],
+    cache: LayerCache,
+    p: &AttentionParams,
+) -> Result<Vec<f32>, ModelError> {
+    assert!(
+        isa.supported(),
+        "{} kernels on a CPU without them",
+        isa.name()
+    );
     let layout = cache.view().layout;
     let (nh, nkv, hd) = (p.num_heads, p.num_kv_heads, p.head_dim);
     if nkv == 0 || nh % nkv != 0 || layout.num_kv_heads != nkv || layout.head_dim != hd {
@@ -115,7 +134,7 @@ pub fn paged_attention(
     candle_core::utils::barrier_pool().execute_chunked(tasks.len(), |range| {
         for t in range {
             let (s, r0, n) = tasks[t];
-            let _ = slots[t].set(attend_tile(q, &seqs[s], r0, n, &cache, p));
+            let _ = slots[t].set(attend_on(isa, q, &seqs[s], r0, n, &cache, p));
         }
     });
     let mut out = vec![0f32; rows * row];
@@ -130,48 +149,86 @@ pub fn paged_attention(
 /// SIMD width the kernels below are written for (one AVX-512 register of f32).
 const L: usize = 16;
 
-/// `sc[t] = q · k_t` for the `nt` keys `k_t = kb[t * stride..][..hd]`.
-fn scores_direct(q: &[f32], kb: &[f32], stride: usize, nt: usize, sc: &mut [f32]) {
-    let hd = q.len();
-    #[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
-    if hd.is_multiple_of(L) {
+/// How a tile scores a query against a block's keys: `sc[t] = q · k_t` for the `nt` keys
+/// `k_t = kb[t * stride..][..q.len()]`.
+trait Scores {
+    /// # Safety
+    /// The CPU runs the implementation's instruction set.
+    unsafe fn scores(q: &[f32], kb: &[f32], stride: usize, nt: usize, sc: &mut [f32]);
+}
+
+/// One portable dot per key (the portable and AVX2 variants).
+struct DotScores;
+
+impl Scores for DotScores {
+    #[inline(always)]
+    unsafe fn scores(q: &[f32], kb: &[f32], stride: usize, nt: usize, sc: &mut [f32]) {
+        let hd = q.len();
+        for (t, x) in sc[..nt].iter_mut().enumerate() {
+            *x = dot(q, &kb[t * stride..t * stride + hd]);
+        }
+    }
+}
+
+/// 16 keys at a time with AVX-512 where the head size allows, dots otherwise.
+#[cfg(target_arch = "x86_64")]
+struct Avx512Scores;
+
+#[cfg(target_arch = "x86_64")]
+impl Scores for Avx512Scores {
+    #[inline(always)]
+    unsafe fn scores(q: &[f32], kb: &[f32], stride: usize, nt: usize, sc: &mut [f32]) {
+        let hd = q.len();
+        if !hd.is_multiple_of(L) {
+            // SAFETY: the portable dot runs anywhere.
+            return unsafe { DotScores::scores(q, kb, stride, nt, sc) };
+        }
         let mut t = 0;
         while t < nt {
             let k = (nt - t).min(L);
             let mut out = [0f32; L];
-            simd::scores16(
-                q,
-                &kb[t * stride..(t + k - 1) * stride + hd],
-                stride,
-                k,
-                &mut out,
-            );
+            // SAFETY: the CPU has AVX-512F (the caller's contract).
+            unsafe {
+                simd::scores16(
+                    q,
+                    &kb[t * stride..(t + k - 1) * stride + hd],
+                    stride,
+                    k,
+                    &mut out,
+                )
+            };
             sc[t..t + k].copy_from_slice(&out[..k]);
             t += k;
         }
-        return;
-    }
-    for (t, x) in sc[..nt].iter_mut().enumerate() {
-        *x = dot(q, &kb[t * stride..t * stride + hd]);
     }
 }
 
-/// AVX-512 kernels, compiled when the target has AVX-512 (the workspace builds with
-/// `target-cpu=native`); portable code covers every other target.
-#[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
+/// AVX-512 kernels of the AVX-512 variant: inlined into code that runs only on CPUs with
+/// AVX-512F.
+#[cfg(target_arch = "x86_64")]
 mod simd {
     use std::arch::x86_64::*;
 
     /// `out[t] = q · k_t` for `nt <= 16` keys `k_t = kb[t * stride..][..q.len()]`, with
     /// `q.len()` a multiple of 16: one 16-lane partial sum per key, then the 16 partial sums
     /// are reduced together by a transpose-and-add tree (15 adds instead of 16 horizontal sums).
-    pub(super) fn scores16(q: &[f32], kb: &[f32], stride: usize, nt: usize, out: &mut [f32; 16]) {
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F.
+    #[inline(always)]
+    pub(super) unsafe fn scores16(
+        q: &[f32],
+        kb: &[f32],
+        stride: usize,
+        nt: usize,
+        out: &mut [f32; 16],
+    ) {
         let hd = q.len();
         assert!(nt <= 16 && hd.is_multiple_of(16));
         assert!(nt == 0 || kb.len() >= (nt - 1) * stride + hd);
         // SAFETY: every load reads 16 f32 at `q[c..c + 16]` or `kb[t * stride + c..][..16]`
-        // with `c + 16 <= hd`, `t < nt`; both ranges are in bounds by the asserts above. AVX-512F
-        // is enabled for this compilation (cfg above).
+        // with `c + 16 <= hd`, `t < nt`; both ranges are in bounds by the asserts above. The CPU
+        // has AVX-512F (the caller's contract).
         unsafe {
             let mut v = [_mm512_setzero_ps(); 16];
             for (t, vt) in v.iter_mut().enumerate().take(nt) {
@@ -195,13 +252,17 @@ mod simd {
     mod tests {
         #[test]
         fn scores16_equals_dots() {
+            if !crate::cpu::Isa::Avx512.supported() {
+                return;
+            }
             let hd = 64;
             let q: Vec<f32> = (0..hd).map(|i| (i as f32 * 0.3).sin()).collect();
             let stride = 3 * hd;
             let kb: Vec<f32> = (0..16 * stride).map(|i| (i as f32 * 0.7).cos()).collect();
             for nt in [16, 5, 1] {
                 let mut out = [0f32; 16];
-                super::scores16(&q, &kb[..(nt - 1) * stride + hd], stride, nt, &mut out);
+                // SAFETY: the CPU has AVX-512 (checked above).
+                unsafe { super::scores16(&q, &kb[..(nt - 1) * stride + hd], stride, nt, &mut out) };
                 for t in 0..nt {
                     let want: f32 = (0..hd).map(|d| q[d] * kb[t * stride + d]).sum();
                     assert!((out[t] - want).abs() < 1e-4, "nt {nt} key {t}");
@@ -213,6 +274,7 @@ mod simd {
 
 /// `acc += Σ_t w[t] · v_t` where `v_t = vb[t * stride..][..hd]`: 64 dimensions at a time held in
 /// four registers across all keys (independent FMA chains), then 16 at a time.
+#[inline(always)]
 fn accumulate_values(acc: &mut [f32], w: &[f32], vb: &[f32], stride: usize) {
     let hd = acc.len();
     let mut c = 0;
@@ -252,7 +314,11 @@ fn accumulate_values(acc: &mut [f32], w: &[f32], vb: &[f32], stride: usize) {
 ///
 /// The cache is walked block by block; each block's rows of every KV head are used by that
 /// head's query vectors while they are hot, so the context is read from memory once.
-fn attend_tile(
+///
+/// # Safety
+/// The CPU runs `S`'s instruction set.
+#[inline(always)]
+unsafe fn attend_tile<S: Scores>(
     q: &[f32],
     seq: &SeqBatch,
     r0: usize,
@@ -335,7 +401,8 @@ fn attend_tile(
             // One kernel for every query, whatever the batch: the summation order, hence the
             // result, does not depend on how many queries share the task.
             for (qv, sc) in qg.chunks_exact(hd).zip(scores.chunks_exact_mut(kts)) {
-                scores_direct(qv, kb, stride, nt, sc);
+                // SAFETY: the caller's contract.
+                unsafe { S::scores(qv, kb, stride, nt, sc) };
             }
             // Online softmax update and weighted sum of V, per query vector.
             for i in 0..n {
@@ -379,6 +446,62 @@ fn attend_tile(
         }
     }
     out
+}
+
+/// [`attend_tile`] compiled for `isa`, which this CPU runs (asserted by the caller).
+fn attend_on(
+    isa: Isa,
+    q: &[f32],
+    seq: &SeqBatch,
+    r0: usize,
+    n: usize,
+    cache: &LayerCache,
+    p: &AttentionParams,
+) -> Vec<f32> {
+    // SAFETY: each variant is entered only for its own `isa`, which the CPU runs.
+    unsafe {
+        match isa {
+            Isa::Portable => attend_tile::<DotScores>(q, seq, r0, n, cache, p),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => attend_avx2(q, seq, r0, n, cache, p),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => attend_avx512(q, seq, r0, n, cache, p),
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => unreachable!("{} is never supported off x86-64", isa.name()),
+        }
+    }
+}
+
+/// # Safety
+/// The CPU has AVX2, FMA and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn attend_avx2(
+    q: &[f32],
+    seq: &SeqBatch,
+    r0: usize,
+    n: usize,
+    cache: &LayerCache,
+    p: &AttentionParams,
+) -> Vec<f32> {
+    // SAFETY: the caller's contract.
+    unsafe { attend_tile::<DotScores>(q, seq, r0, n, cache, p) }
+}
+
+/// # Safety
+/// The CPU has AVX-512 F/BW/VL/DQ, AVX2, FMA and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn attend_avx512(
+    q: &[f32],
+    seq: &SeqBatch,
+    r0: usize,
+    n: usize,
+    cache: &LayerCache,
+    p: &AttentionParams,
+) -> Vec<f32> {
+    // SAFETY: the caller's contract.
+    unsafe { attend_tile::<Avx512Scores>(q, seq, r0, n, cache, p) }
 }
 
 /// Distance in f32 elements between the rows of consecutive tokens of one head.
@@ -480,13 +603,43 @@ mod tests {
             scale: 1.0 / (hd as f32).sqrt(),
             window: case.window,
         };
-        let got = paged_attention(
-            &q,
-            &seq_batches,
-            LayerCache::from_storage(&storage, 0).unwrap(),
-            &p,
-        )
-        .unwrap();
+        let cache = LayerCache::from_storage(&storage, 0).unwrap();
+        let run = |isa| paged_attention_on(isa, &q, &seq_batches, cache, &p).unwrap();
+        let got = run(Isa::Portable);
+        // every variant this CPU runs: AVX2 is the portable code compiled for AVX2, bit for bit;
+        // AVX-512 sums the scores in another order (compared with the reference below)
+        for isa in Isa::runnable() {
+            let other = run(isa);
+            if isa == Isa::Avx2 {
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&other), bits(&got), "{dtype} {isa:?}");
+            }
+            check_dense(
+                case,
+                dtype,
+                &q,
+                &seq_batches,
+                &dense_k,
+                &dense_v,
+                &p,
+                &other,
+            );
+        }
+    }
+
+    /// Compares `got` with attention computed densely in f64.
+    #[allow(clippy::too_many_arguments)]
+    fn check_dense(
+        case: &Case,
+        dtype: CacheDtype,
+        q: &[f32],
+        seq_batches: &[SeqBatch],
+        dense_k: &[Vec<f32>],
+        dense_v: &[Vec<f32>],
+        p: &AttentionParams,
+        got: &[f32],
+    ) {
+        let (nh, nkv, hd) = (case.nh, case.nkv, case.hd);
         // dense reference
         let group = nh / nkv;
         for (si, &(c, n)) in case.seqs.iter().enumerate() {

@@ -8,6 +8,7 @@
 //!   shard); [`llama`] and [`gemma3`]: their hyper-parameters. One module per architecture.
 //! - [`attention`]: CPU paged attention over [`tandem_kv_cache::KvStorage`].
 //! - [`ops`]: RMSNorm, RoPE, SwiGLU and small vector kernels.
+//! - [`cpu`]: which instruction set the hot kernels run ([`cpu::Isa`]), picked at run time.
 //! - [`weights`]: weight modes and matrices ([`WeightMode`]); `q4_1`: our batched Q4_1 matmul.
 //! - [`gguf`], `hf`: file formats; `dummy`: random weights of a config's shapes.
 //! - [`tokenizer`], [`chat_template`]: text in and out.
@@ -18,6 +19,7 @@
 
 pub mod attention;
 pub mod chat_template;
+pub mod cpu;
 pub mod decoder;
 mod dummy;
 pub mod error;

@@ -308,6 +308,8 @@ pub fn load_model(spec: &str, opts: &LoadOptions) -> Result<LoadedModel, ModelEr
         tp = opts.parallel.tp,
         pp = opts.parallel.pp,
         weight_mib = info.weight_bytes / (1 << 20),
+        cpu_kernels = crate::cpu::Isa::active().name(),
+        cpu_best = crate::cpu::Isa::detected().name(),
         secs = start.elapsed().as_secs_f32(),
         "model loaded"
     );

@@ -393,17 +393,21 @@ impl RopeTable {
     }
 }
 
-/// AVX-512 helpers shared by the kernels; compiled where the target has AVX-512 (the workspace
-/// builds with `target-cpu=native`).
-#[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
+/// AVX-512 helpers shared by the kernels' AVX-512 variants (`crate::cpu`): inlined into code
+/// that runs only on CPUs with AVX-512F.
+#[cfg(target_arch = "x86_64")]
 pub(crate) mod simd {
     use std::arch::x86_64::*;
 
     /// `out[t]` = the 16 lanes of `v[t]` summed by one fixed tree: lane `i` + lane `i + 8`,
     /// then `+ 4`, `+ 2`, `+ 1`, done for all 16 vectors together by transposing adds.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F.
     #[inline(always)]
     pub(crate) unsafe fn reduce16(v: &[__m512; 16], out: &mut [f32; 16]) {
-        // SAFETY: register operations and one 16-f32 store into `out`; AVX-512F is enabled.
+        // SAFETY: register operations and one 16-f32 store into `out`; the CPU has AVX-512F
+        // (the caller's contract).
         unsafe {
             // a_i: lanes 0..8 = v[2i] halves added, lanes 8..16 = v[2i+1] halves added
             let a: [__m512; 8] = std::array::from_fn(|i| {

@@ -6,8 +6,10 @@
 //! - Kernel: a block is dequantized to f32 once per pass (two 16-lane halves, `q.mul_add(d, m)`;
 //!   AVX-512 looks each nibble up in the block's table of `i.mul_add(d, m)`, the same values)
 //!   and multiplied into 16-lane accumulators of up to 8 input rows, for 2 or 4 weight rows at a
-//!   time (AVX-512 where compiled in; portable code with the same arithmetic otherwise). The
-//!   inputs stay f32: no activation quantization. Work is split into groups of output rows
+//!   time. Three variants, picked at run time (`crate::cpu`): AVX-512, AVX2 (two 8-lane
+//!   registers per accumulator, its own tile shapes) and portable code, all with the same
+//!   arithmetic (the portable code is the reference; without hardware FMA its `mul_add` is
+//!   libm's, exact but slow). The inputs stay f32: no activation quantization. Work is split into groups of output rows
 //!   on candle's thread pool (the one its matmuls and our attention use); a group's weights
 //!   stay in cache while every tile of input rows passes over them.
 //!
@@ -18,6 +20,7 @@
 
 use half::f16;
 
+use crate::cpu::Isa;
 use crate::error::ModelError;
 
 /// Values per block.
@@ -72,9 +75,21 @@ impl Q4_1Matrix {
         out
     }
 
-    /// `y = x Wᵀ`: `x` holds `m` rows of `cols`; returns `m` rows of `rows`.
+    /// `y = x Wᵀ`: `x` holds `m` rows of `cols`; returns `m` rows of `rows`. Runs the kernel
+    /// variant of [`Isa::active`].
     pub fn matmul(&self, x: &[f32], m: usize) -> Vec<f32> {
+        self.matmul_on(Isa::active(), x, m)
+    }
+
+    /// [`Self::matmul`] with the kernel variant for `isa`, which must be one this CPU runs
+    /// (a variant it cannot run panics instead of executing unknown instructions).
+    pub(crate) fn matmul_on(&self, isa: Isa, x: &[f32], m: usize) -> Vec<f32> {
         assert_eq!(x.len(), m * self.cols, "Q4_1 matmul input size");
+        assert!(
+            isa.supported(),
+            "{} kernels on a CPU without them",
+            isa.name()
+        );
         let n = self.rows;
         let mut y = vec![0f32; m * n];
         let out = OutPtr(y.as_mut_ptr());
@@ -84,42 +99,92 @@ impl Q4_1Matrix {
                 let rows = g * GROUP..((g + 1) * GROUP).min(n);
                 // SAFETY: item `g` writes only columns `rows` of `y` (m rows of n), and items
                 // partition the columns; `y` outlives `execute_chunked`, which returns after
-                // every item ran.
-                unsafe { self.group(x, m, rows, &out) };
+                // every item ran. The CPU runs `isa` (asserted above).
+                unsafe { self.group_on(isa, x, m, rows, &out) };
             }
         });
         y
     }
 
-    /// Columns `orows` of every output row.
+    /// [`Self::group`] compiled for `isa`.
+    ///
+    /// # Safety
+    /// As [`Self::group`], and the CPU runs `isa`.
+    unsafe fn group_on(
+        &self,
+        isa: Isa,
+        x: &[f32],
+        m: usize,
+        orows: std::ops::Range<usize>,
+        out: &OutPtr,
+    ) {
+        // SAFETY: the caller's contract; each variant is entered only for its own `isa`.
+        unsafe {
+            match isa {
+                Isa::Portable => self.group::<portable::Kernel>(x, m, orows, out),
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx2 => self.group_avx2(x, m, orows, out),
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx512 => self.group_avx512(x, m, orows, out),
+                #[cfg(not(target_arch = "x86_64"))]
+                _ => unreachable!("{} is never supported off x86-64", isa.name()),
+            }
+        }
+    }
+
+    /// # Safety
+    /// As [`Self::group`], and the CPU has AVX2, FMA and F16C.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn group_avx2(&self, x: &[f32], m: usize, orows: std::ops::Range<usize>, out: &OutPtr) {
+        // SAFETY: the caller's contract.
+        unsafe { self.group::<avx2::Kernel>(x, m, orows, out) }
+    }
+
+    /// # Safety
+    /// As [`Self::group`], and the CPU has AVX-512 F/BW/VL/DQ, AVX2, FMA and F16C.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+    unsafe fn group_avx512(
+        &self,
+        x: &[f32],
+        m: usize,
+        orows: std::ops::Range<usize>,
+        out: &OutPtr,
+    ) {
+        // SAFETY: the caller's contract.
+        unsafe { self.group::<avx512::Kernel>(x, m, orows, out) }
+    }
+
+    /// Columns `orows` of every output row, with the tile kernel `K` (inlined into each
+    /// variant's entry point, so the code around the kernel is compiled for its ISA too).
     ///
     /// # Safety
     /// `out` points at `m * self.rows` f32 that nobody else reads or writes in columns `orows`
-    /// while this runs.
-    unsafe fn group(&self, x: &[f32], m: usize, orows: std::ops::Range<usize>, out: &OutPtr) {
+    /// while this runs; the CPU runs `K`'s instruction set.
+    #[inline(always)]
+    unsafe fn group<K: TileKernel>(
+        &self,
+        x: &[f32],
+        m: usize,
+        orows: std::ops::Range<usize>,
+        out: &OutPtr,
+    ) {
         let (k, n) = (self.cols, self.rows);
         let mut r0 = 0;
         while r0 < m {
-            let mt = (m - r0).min(MT);
+            let mt = (m - r0).min(K::INPUT_ROWS);
             let xt = &x[r0 * k..(r0 + mt) * k];
             let mut o = orows.start;
             while o < orows.end {
-                let left = orows.end - o;
                 let mut sums = [[0f32; 4]; MT];
-                let nr = match (mt, left) {
-                    (_, 1) => {
-                        tile_dispatch::<1>(self, o, xt, mt, &mut sums);
-                        1
-                    }
-                    (5.., 2..) | (_, 2 | 3) => {
-                        tile_dispatch::<2>(self, o, xt, mt, &mut sums);
-                        2
-                    }
-                    _ => {
-                        tile_dispatch::<4>(self, o, xt, mt, &mut sums);
-                        4
-                    }
-                };
+                let nr = K::weight_rows(mt, orows.end - o);
+                // SAFETY (the three calls): the CPU runs `K` (the caller's contract).
+                match nr {
+                    1 => unsafe { tile_dispatch::<1, K>(self, o, xt, mt, &mut sums) },
+                    2 => unsafe { tile_dispatch::<2, K>(self, o, xt, mt, &mut sums) },
+                    _ => unsafe { tile_dispatch::<4, K>(self, o, xt, mt, &mut sums) },
+                }
                 for (r, s) in sums.iter().enumerate().take(mt) {
                     for (j, &v) in s.iter().enumerate().take(nr) {
                         // SAFETY: (r0 + r) < m and o + j < orows.end <= n: inside `out`, in
@@ -148,8 +213,39 @@ fn scale_min(blk: &[u8]) -> (f32, f32) {
     )
 }
 
+/// One instruction set's tile: weight rows `rows` against the `M` input rows of `xt`
+/// (`sums[r][j] = x_r · w_j`), with exactly `portable::tile`'s arithmetic. Tile shapes only
+/// decide which outputs share a pass (module invariant), so each kernel picks its own.
+trait TileKernel {
+    /// Input rows per pass over a group's weights (at most [`MT`]).
+    const INPUT_ROWS: usize = MT;
+
+    /// Weight rows per tile (1, 2 or 4, at most `left`) for a pass of `mt` input rows: at most
+    /// 16 accumulators (the AVX-512 form reduces 16 at once and has registers for them).
+    #[inline(always)]
+    fn weight_rows(mt: usize, left: usize) -> usize {
+        match (mt, left) {
+            (_, 1) => 1,
+            (5.., 2..) | (_, 2 | 3) => 2,
+            _ => 4,
+        }
+    }
+
+    /// # Safety
+    /// The CPU runs the kernel's instruction set.
+    unsafe fn tile<const NR: usize, const M: usize>(
+        rows: [&[u8]; NR],
+        xt: &[f32],
+        sums: &mut [[f32; 4]; MT],
+    );
+}
+
 /// Weight rows `o..o + NR` against the `mt` rows of `xt`: `sums[r][j] = x_r · w_{o+j}`.
-fn tile_dispatch<const NR: usize>(
+///
+/// # Safety
+/// The CPU runs `K`'s instruction set.
+#[inline(always)]
+unsafe fn tile_dispatch<const NR: usize, K: TileKernel>(
     w: &Q4_1Matrix,
     o: usize,
     xt: &[f32],
@@ -160,22 +256,13 @@ fn tile_dispatch<const NR: usize>(
     macro_rules! go {
         ($($m:literal)|*) => {
             match mt {
-                $($m => tile::<NR, $m>(rows, xt, sums),)*
+                // SAFETY: the caller's contract.
+                $($m => unsafe { K::tile::<NR, $m>(rows, xt, sums) },)*
                 _ => unreachable!("tile of {mt} rows"),
             }
         };
     }
     go!(1 | 2 | 3 | 4 | 5 | 6 | 7 | 8)
-}
-
-#[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
-fn tile<const NR: usize, const M: usize>(rows: [&[u8]; NR], xt: &[f32], sums: &mut [[f32; 4]; MT]) {
-    simd::tile::<NR, M>(rows, xt, sums)
-}
-
-#[cfg(not(all(target_arch = "x86_64", target_feature = "avx512f")))]
-fn tile<const NR: usize, const M: usize>(rows: [&[u8]; NR], xt: &[f32], sums: &mut [[f32; 4]; MT]) {
-    portable::tile::<NR, M>(rows, xt, sums)
 }
 
 /// Sum of 16 lanes by the fixed tree: halves added pairwise (lane `i` + lane `i + 8`, then
@@ -191,15 +278,24 @@ fn tree_sum(mut p: [f32; 16]) -> f32 {
     p[0]
 }
 
-/// The kernel in plain Rust, with the same operations in the same order as the AVX-512 one
-/// (used where AVX-512 is not compiled in, and by the tests as its reference).
-#[cfg_attr(
-    all(target_arch = "x86_64", target_feature = "avx512f"),
-    allow(dead_code)
-)]
+/// The kernel in plain Rust: the reference the SIMD variants compute exactly.
 mod portable {
-    use super::{scale_min, tree_sum, BLOCK_BYTES, MT, QK};
+    use super::{scale_min, tree_sum, TileKernel, BLOCK_BYTES, MT, QK};
 
+    pub(super) struct Kernel;
+
+    impl TileKernel for Kernel {
+        #[inline(always)]
+        unsafe fn tile<const NR: usize, const M: usize>(
+            rows: [&[u8]; NR],
+            xt: &[f32],
+            sums: &mut [[f32; 4]; MT],
+        ) {
+            tile::<NR, M>(rows, xt, sums)
+        }
+    }
+
+    #[inline(always)]
     pub(super) fn tile<const NR: usize, const M: usize>(
         rows: [&[u8]; NR],
         xt: &[f32],
@@ -236,16 +332,32 @@ mod portable {
     }
 }
 
-#[cfg(all(target_arch = "x86_64", target_feature = "avx512f"))]
-mod simd {
+/// AVX-512 form of `portable::tile`: 16-lane registers, nibbles looked up in a per-block table.
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
     use std::arch::x86_64::*;
 
-    use super::{BLOCK_BYTES, MT, QK};
+    use super::{TileKernel, BLOCK_BYTES, MT, QK};
     use crate::ops::simd::reduce16;
 
-    /// AVX-512 form of `portable::tile`.
+    pub(super) struct Kernel;
+
+    impl TileKernel for Kernel {
+        #[inline(always)]
+        unsafe fn tile<const NR: usize, const M: usize>(
+            rows: [&[u8]; NR],
+            xt: &[f32],
+            sums: &mut [[f32; 4]; MT],
+        ) {
+            // SAFETY: the caller's contract (the CPU has AVX-512F).
+            unsafe { tile::<NR, M>(rows, xt, sums) }
+        }
+    }
+
+    /// # Safety
+    /// The CPU has AVX-512F and F16C.
     #[inline(always)]
-    pub(super) fn tile<const NR: usize, const M: usize>(
+    unsafe fn tile<const NR: usize, const M: usize>(
         rows: [&[u8]; NR],
         xt: &[f32],
         sums: &mut [[f32; 4]; MT],
@@ -256,8 +368,8 @@ mod simd {
         assert!(rows.iter().all(|r| r.len() == nb * BLOCK_BYTES));
         // SAFETY: a block `b < nb` of row `j` is read at bytes `b * 20 + 4..b * 20 + 20` of
         // `rows[j]` (length `nb * 20`), inputs at `xt[r * k + b * 32..][..32]` with `r < M`
-        // (length `M * k`): all in bounds by the asserts. AVX-512F is enabled for this
-        // compilation (cfg on the module).
+        // (length `M * k`): all in bounds by the asserts. The CPU has AVX-512F (the caller's
+        // contract).
         unsafe {
             // `iota[i] = i`: a block's 16 possible values `fma(i, d, m)` form a table that
             // `vpermps` indexes by the low 4 bits of each lane (the nibble), which gives
@@ -302,6 +414,101 @@ mod simd {
             reduce16(&v, &mut out);
             for r in 0..M {
                 sums[r][..NR].copy_from_slice(&out[r * NR..(r + 1) * NR]);
+            }
+        }
+    }
+}
+
+/// AVX2 form of `portable::tile`: each 16-lane accumulator of the portable code is two 8-lane
+/// registers (lanes 0..8 and 8..16), nibbles converted (`fma(q, d, m)`, the same values). With
+/// 16 registers, a pass takes 4 input rows and one weight row (two at batch 1), and the block's
+/// low halves are applied to every row before its high halves (each lane still adds the low
+/// product first), so accumulators, weights and inputs stay in registers.
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::{TileKernel, BLOCK_BYTES, MT, QK};
+
+    pub(super) struct Kernel;
+
+    impl TileKernel for Kernel {
+        const INPUT_ROWS: usize = 4;
+
+        #[inline(always)]
+        fn weight_rows(mt: usize, left: usize) -> usize {
+            if mt == 1 && left >= 2 {
+                2
+            } else {
+                1
+            }
+        }
+
+        #[inline(always)]
+        unsafe fn tile<const NR: usize, const M: usize>(
+            rows: [&[u8]; NR],
+            xt: &[f32],
+            sums: &mut [[f32; 4]; MT],
+        ) {
+            let k = xt.len() / M;
+            let nb = k / QK;
+            assert!(M <= MT && NR <= 4 && xt.len() == M * k && k.is_multiple_of(QK));
+            assert!(rows.iter().all(|r| r.len() == nb * BLOCK_BYTES));
+            // SAFETY: block `b < nb` of row `j` is read at bytes `b * 20..b * 20 + 20` of
+            // `rows[j]` (length `nb * 20`), inputs at `xt[r * k + b * 32..][..32]` with `r < M`
+            // (length `M * k`): in bounds by the asserts. The CPU has AVX2, FMA and F16C (the
+            // caller's contract).
+            unsafe {
+                let low4 = _mm256_set1_epi32(15);
+                let mut acc = [[[_mm256_setzero_ps(); 2]; NR]; M];
+                for b in 0..nb {
+                    let mut dm = [(_mm256_setzero_ps(), _mm256_setzero_ps()); NR];
+                    for (j, dmj) in dm.iter_mut().enumerate() {
+                        let blk = rows[j].as_ptr().add(b * BLOCK_BYTES);
+                        let v = _mm_cvtph_ps(_mm_cvtsi32_si128(blk.cast::<i32>().read_unaligned()));
+                        *dmj = (
+                            _mm256_broadcastss_ps(v),
+                            _mm256_broadcastss_ps(_mm_movehdup_ps(v)),
+                        );
+                    }
+                    // low nibbles are values 0..16 of the block, high nibbles 16..32
+                    for half in 0..2 {
+                        let mut w = [[_mm256_setzero_ps(); 2]; NR];
+                        for (j, wj) in w.iter_mut().enumerate() {
+                            let blk = rows[j].as_ptr().add(b * BLOCK_BYTES + 4);
+                            for (part, wp) in wj.iter_mut().enumerate() {
+                                let q =
+                                    _mm256_cvtepu8_epi32(_mm_loadl_epi64(blk.add(8 * part).cast()));
+                                let q = if half == 0 {
+                                    _mm256_and_si256(q, low4)
+                                } else {
+                                    _mm256_srli_epi32::<4>(q)
+                                };
+                                *wp = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), dm[j].0, dm[j].1);
+                            }
+                        }
+                        for (r, acc_r) in acc.iter_mut().enumerate() {
+                            let xp = xt.as_ptr().add(r * k + b * QK + 16 * half);
+                            let x = [_mm256_loadu_ps(xp), _mm256_loadu_ps(xp.add(8))];
+                            for (a, wj) in acc_r.iter_mut().zip(&w) {
+                                for part in 0..2 {
+                                    a[part] = _mm256_fmadd_ps(wj[part], x[part], a[part]);
+                                }
+                            }
+                        }
+                    }
+                }
+                for r in 0..M {
+                    for j in 0..NR {
+                        // the portable tree: lane i + lane i + 8 first, then + 4, + 2, + 1
+                        let v = _mm256_add_ps(acc[r][j][0], acc[r][j][1]);
+                        let v4 =
+                            _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+                        let v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
+                        let v1 = _mm_add_ss(v2, _mm_movehdup_ps(v2));
+                        sums[r][j] = _mm_cvtss_f32(v1);
+                    }
+                }
             }
         }
     }
@@ -410,16 +617,41 @@ mod tests {
     }
 
     #[test]
-    fn compiled_kernel_equals_the_portable_one() {
-        let (rows, cols) = (11, 160);
-        let w = random_matrix(rows, cols, 5);
-        let x = random_input(MT, cols, 6);
-        let got = w.matmul(&x, MT);
-        for o in 0..rows {
-            let mut sums = [[0f32; 4]; MT];
-            portable::tile::<1, MT>([w.row(o)], &x, &mut sums);
-            for r in 0..MT {
-                assert_eq!(got[r * rows + o].to_bits(), sums[r][0].to_bits(), "{r} {o}");
+    fn every_variant_this_cpu_runs_equals_the_portable_kernel_bit_for_bit() {
+        let runnable = Isa::runnable();
+        eprintln!("variants run: {runnable:?}");
+        for (rows, cols) in [(11, 160), (75, 576), (4, 32)] {
+            let w = random_matrix(rows, cols, 5 + rows as u64);
+            for m in [1, 3, MT, 13] {
+                let x = random_input(m, cols, 6 + m as u64);
+                let mut want = vec![0f32; m * rows];
+                for o in 0..rows {
+                    for r0 in (0..m).step_by(MT) {
+                        let mt = (m - r0).min(MT);
+                        let mut sums = [[0f32; 4]; MT];
+                        let xt = &x[r0 * cols..(r0 + mt) * cols];
+                        macro_rules! one {
+                            ($($n:literal)|*) => { match mt {
+                                $($n => portable::tile::<1, $n>([w.row(o)], xt, &mut sums),)*
+                                _ => unreachable!(),
+                            } };
+                        }
+                        one!(1 | 2 | 3 | 4 | 5 | 6 | 7 | 8);
+                        for r in 0..mt {
+                            want[(r0 + r) * rows + o] = sums[r][0];
+                        }
+                    }
+                }
+                for &isa in &runnable {
+                    let got = w.matmul_on(isa, &x, m);
+                    for (i, (g, e)) in got.iter().zip(&want).enumerate() {
+                        assert_eq!(
+                            g.to_bits(),
+                            e.to_bits(),
+                            "{isa:?} [{rows}, {cols}] m={m} #{i}"
+                        );
+                    }
+                }
             }
         }
     }

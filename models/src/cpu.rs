@@ -1,0 +1,176 @@
+//! Which instruction set Tandem's own CPU kernels run, chosen once per process at run time.
+//!
+//! The binary is built for the plain target; each hot kernel (the Q4_1 matmul, paged
+//! attention) is compiled three times, for [`Isa::Avx512`] (AVX-512 F/BW/VL/DQ with FMA and
+//! F16C), [`Isa::Avx2`] (AVX2 with FMA and F16C) and [`Isa::Portable`] (plain Rust, any
+//! target), and the variant for the best instruction set the CPU has runs.
+//!
+//! - `TANDEM_CPU_ISA=portable|avx2|avx512` caps the choice (tests, benchmarks, a suspected
+//!   kernel bug); a cap above what the CPU has, or a value that is not one of these, is
+//!   refused at first use with a warning and the detected set is used: no variant ever runs on a
+//!   CPU without its instructions.
+//! - [`Isa::set_active`] switches the variant for later calls in the whole process (benchmarks
+//!   comparing variants in one run); the server never calls it.
+//! - Invariant: every variant computes each output with the same operations in the same order
+//!   as the portable code, except where a kernel's docs say otherwise (the AVX-512 attention
+//!   scores sum in another order), so a variant's results are bit-identical to the portable
+//!   ones (tested per kernel for every variant this CPU can run).
+
+use std::sync::atomic::{AtomicU8, Ordering};
+
+/// An instruction set a kernel variant is compiled for, from least to most capable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Isa {
+    /// Plain Rust for the build's target.
+    Portable,
+    /// x86-64 AVX2 + FMA + F16C (Haswell, Zen and later).
+    Avx2,
+    /// x86-64 AVX-512 F/BW/VL/DQ + FMA + F16C (Skylake-X, Zen 4 and later).
+    Avx512,
+}
+
+/// The environment variable that caps the instruction set.
+pub const ISA_ENV: &str = "TANDEM_CPU_ISA";
+
+impl Isa {
+    /// Every instruction set, least capable first.
+    pub const ALL: [Isa; 3] = [Isa::Portable, Isa::Avx2, Isa::Avx512];
+
+    /// The name `TANDEM_CPU_ISA` takes and logs show.
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Portable => "portable",
+            Isa::Avx2 => "avx2",
+            Isa::Avx512 => "avx512",
+        }
+    }
+
+    /// Parses a name of [`Isa::name`].
+    pub fn parse(s: &str) -> Option<Isa> {
+        Isa::ALL.into_iter().find(|i| i.name() == s.trim())
+    }
+
+    /// Whether this CPU can run the variant.
+    pub fn supported(self) -> bool {
+        match self {
+            Isa::Portable => true,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => {
+                is_x86_feature_detected!("avx2")
+                    && is_x86_feature_detected!("fma")
+                    && is_x86_feature_detected!("f16c")
+            }
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => {
+                Isa::Avx2.supported()
+                    && is_x86_feature_detected!("avx512f")
+                    && is_x86_feature_detected!("avx512bw")
+                    && is_x86_feature_detected!("avx512vl")
+                    && is_x86_feature_detected!("avx512dq")
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => false,
+        }
+    }
+
+    /// The most capable instruction set this CPU runs.
+    pub fn detected() -> Isa {
+        Isa::ALL
+            .into_iter()
+            .rev()
+            .find(|i| i.supported())
+            .unwrap_or(Isa::Portable)
+    }
+
+    /// Every instruction set this CPU runs, least capable first.
+    pub fn runnable() -> Vec<Isa> {
+        Isa::ALL.into_iter().filter(|i| i.supported()).collect()
+    }
+
+    /// The instruction set the kernels use in this process: the detected one, capped by
+    /// `TANDEM_CPU_ISA` where that names one this CPU runs (chosen at the first call).
+    pub fn active() -> Isa {
+        match ACTIVE.load(Ordering::Relaxed) {
+            UNSET => {
+                let cap = std::env::var(ISA_ENV).ok();
+                let (isa, refused) = choose(Isa::detected(), cap.as_deref());
+                if let Some(why) = refused {
+                    tracing::warn!("{ISA_ENV}: {why}; using {}", isa.name());
+                }
+                // a concurrent first call chose the same: detection and the variable are fixed
+                ACTIVE.store(isa as u8, Ordering::Relaxed);
+                isa
+            }
+            v => Isa::ALL[v as usize],
+        }
+    }
+
+    /// Makes later kernel calls in this process use `isa`; refused (naming it) where this CPU
+    /// cannot run it.
+    pub fn set_active(isa: Isa) -> Result<(), String> {
+        if !isa.supported() {
+            return Err(format!("this CPU cannot run the {} kernels", isa.name()));
+        }
+        ACTIVE.store(isa as u8, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+/// The active instruction set as its index in [`Isa::ALL`], or [`UNSET`] before the first use.
+static ACTIVE: AtomicU8 = AtomicU8::new(UNSET);
+const UNSET: u8 = u8::MAX;
+
+/// The instruction set for a CPU whose best is `detected`, given the cap `cap` (the value of
+/// `TANDEM_CPU_ISA`, if set), and why the cap was refused if it was.
+fn choose(detected: Isa, cap: Option<&str>) -> (Isa, Option<String>) {
+    let Some(cap) = cap.filter(|c| !c.trim().is_empty()) else {
+        return (detected, None);
+    };
+    match Isa::parse(cap) {
+        Some(want) if want <= detected => (want, None),
+        Some(want) => (
+            detected,
+            Some(format!(
+                "{} asked for but this CPU's best is {}",
+                want.name(),
+                detected.name()
+            )),
+        ),
+        None => (
+            detected,
+            Some(format!(
+                "{cap:?} is not one of {}",
+                Isa::ALL.map(Isa::name).join(", ")
+            )),
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cap_never_exceeds_the_cpu() {
+        assert_eq!(choose(Isa::Avx512, None), (Isa::Avx512, None));
+        assert_eq!(choose(Isa::Avx512, Some("avx2")), (Isa::Avx2, None));
+        assert_eq!(choose(Isa::Avx2, Some(" portable ")), (Isa::Portable, None));
+        let (isa, why) = choose(Isa::Avx2, Some("avx512"));
+        assert_eq!(isa, Isa::Avx2);
+        assert!(why.unwrap().contains("best is avx2"));
+        let (isa, why) = choose(Isa::Portable, Some("sse9"));
+        assert_eq!(isa, Isa::Portable);
+        assert!(why.unwrap().contains("portable, avx2, avx512"));
+    }
+
+    #[test]
+    fn detection_is_ordered() {
+        let all = Isa::runnable();
+        assert_eq!(all[0], Isa::Portable);
+        assert_eq!(*all.last().unwrap(), Isa::detected());
+        // a CPU with AVX-512 has AVX2
+        if Isa::Avx512.supported() {
+            assert!(Isa::Avx2.supported());
+        }
+    }
+}

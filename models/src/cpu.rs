@@ -116,6 +116,44 @@ impl Isa {
     }
 }
 
+/// Defines a function whose body is compiled for each instruction set and run in the variant of
+/// [`Isa::active`]: loops in the body (and what it inlines) are vectorized for AVX-512 or AVX2
+/// on CPUs that have them, without the build targeting them. The body must not use `unsafe`
+/// intrinsics (its portable form runs anywhere); plain arithmetic compiles to the same results
+/// in every variant (Rust neither reassociates nor contracts float operations).
+macro_rules! isa_variants {
+    ($(#[$attr:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block) => {
+        $(#[$attr])*
+        $vis fn $name($($arg: $ty),*) $(-> $ret)? {
+            #[inline(always)]
+            fn body($($arg: $ty),*) $(-> $ret)? $body
+
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+            fn avx512($($arg: $ty),*) $(-> $ret)? {
+                body($($arg),*)
+            }
+
+            #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx2,fma,f16c")]
+            fn avx2($($arg: $ty),*) $(-> $ret)? {
+                body($($arg),*)
+            }
+
+            match $crate::cpu::Isa::active() {
+                // SAFETY: `Isa::active` is only ever an instruction set this CPU runs.
+                #[cfg(target_arch = "x86_64")]
+                $crate::cpu::Isa::Avx512 => unsafe { avx512($($arg),*) },
+                // SAFETY: as above.
+                #[cfg(target_arch = "x86_64")]
+                $crate::cpu::Isa::Avx2 => unsafe { avx2($($arg),*) },
+                _ => body($($arg),*),
+            }
+        }
+    };
+}
+pub(crate) use isa_variants;
+
 /// The active instruction set as its index in [`Isa::ALL`], or [`UNSET`] before the first use.
 static ACTIVE: AtomicU8 = AtomicU8::new(UNSET);
 const UNSET: u8 = u8::MAX;

@@ -13,16 +13,19 @@
 //! Invariant: every function here is deterministic and independent of how rows are batched,
 //! so a token's result never depends on the other tokens of the step.
 
+use crate::cpu::isa_variants;
 use crate::error::ModelError;
 
-/// RMSNorm of each row of `x` (`[rows, w.len()]`) in place.
-pub fn rms_norm(x: &mut [f32], w: &[f32], eps: f32) {
-    let d = w.len();
-    for row in x.chunks_exact_mut(d) {
-        let ss = dot(row, row);
-        let r = 1.0 / (ss / d as f32 + eps).sqrt();
-        for (v, &g) in row.iter_mut().zip(w) {
-            *v = g * (*v * r);
+isa_variants! {
+    /// RMSNorm of each row of `x` (`[rows, w.len()]`) in place.
+    pub fn rms_norm(x: &mut [f32], w: &[f32], eps: f32) {
+        let d = w.len();
+        for row in x.chunks_exact_mut(d) {
+            let ss = dot(row, row);
+            let r = 1.0 / (ss / d as f32 + eps).sqrt();
+            for (v, &g) in row.iter_mut().zip(w) {
+                *v = g * (*v * r);
+            }
         }
     }
 }
@@ -34,18 +37,18 @@ pub fn rms_norm_to(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
     out
 }
 
-/// `gate_up` holds rows `[gate (n), up (n)]`; returns rows of `silu(gate) * up` (`n` wide).
-pub fn silu_mul(gate_up: &[f32], n: usize) -> Vec<f32> {
-    let mut out = Vec::with_capacity(gate_up.len() / 2);
-    for row in gate_up.chunks_exact(2 * n) {
-        let (g, u) = row.split_at(n);
-        out.extend(
-            g.iter()
-                .zip(u)
-                .map(|(&g, &u)| (g / (1.0 + exp_fast(-g))) * u),
-        );
+isa_variants! {
+    /// `gate_up` holds rows `[gate (n), up (n)]`; returns rows of `silu(gate) * up` (`n` wide).
+    pub fn silu_mul(gate_up: &[f32], n: usize) -> Vec<f32> {
+        let mut out = vec![0f32; gate_up.len() / 2];
+        for (row, o) in gate_up.chunks_exact(2 * n).zip(out.chunks_exact_mut(n)) {
+            let (g, u) = row.split_at(n);
+            for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
+                *o = (g / (1.0 + exp_fast(-g))) * u;
+            }
+        }
+        out
     }
-    out
 }
 
 /// `gate_up` holds rows `[gate (n), up (n)]`; returns rows of `gelu_tanh(gate) * up` (`n` wide),
@@ -63,10 +66,12 @@ pub fn gelu_tanh_mul(gate_up: &[f32], n: usize) -> Vec<f32> {
     out
 }
 
-/// `x += y`, element-wise.
-pub fn add_assign(x: &mut [f32], y: &[f32]) {
-    for (a, b) in x.iter_mut().zip(y) {
-        *a += b;
+isa_variants! {
+    /// `x += y`, element-wise.
+    pub fn add_assign(x: &mut [f32], y: &[f32]) {
+        for (a, b) in x.iter_mut().zip(y) {
+            *a += b;
+        }
     }
 }
 
@@ -111,9 +116,9 @@ fn h16() -> &'static [[f32; 16]; 16] {
 /// (`H = Hᵀ = H⁻¹`, entries `±1/16`), in place. `H256 = H16 ⊗ H16`: each 16-wide chunk is
 /// multiplied by `H16` (a small vectorized matmul), then the fast Walsh–Hadamard butterflies
 /// combine whole chunks.
-fn hadamard_blocks(x: &mut [f32]) {
+#[inline(always)]
+fn hadamard_blocks(x: &mut [f32], h: &[[f32; 16]; 16]) {
     let scale = 1.0 / (HADAMARD_BLOCK as f32).sqrt();
-    let h = h16();
     for b in x.chunks_exact_mut(HADAMARD_BLOCK) {
         for c in b.chunks_exact_mut(16) {
             let src: [f32; 16] = (&*c).try_into().unwrap();
@@ -147,20 +152,30 @@ fn hadamard_blocks(x: &mut [f32]) {
 /// multiple of 256.
 pub fn rotate_blocks(x: &mut [f32]) {
     debug_assert_eq!(x.len() % HADAMARD_BLOCK, 0);
-    let d = block_signs();
-    for b in x.chunks_exact_mut(HADAMARD_BLOCK) {
-        b.iter_mut().zip(d).for_each(|(v, s)| *v *= s);
+    rotate_with(x, block_signs(), h16());
+}
+
+isa_variants! {
+    fn rotate_with(x: &mut [f32], d: &[f32; HADAMARD_BLOCK], h: &[[f32; 16]; 16]) {
+        for b in x.chunks_exact_mut(HADAMARD_BLOCK) {
+            b.iter_mut().zip(d).for_each(|(v, s)| *v *= s);
+        }
+        hadamard_blocks(x, h);
     }
-    hadamard_blocks(x);
 }
 
 /// The inverse of [`rotate_blocks`] (`Rᵀ = H·D`).
 pub fn unrotate_blocks(x: &mut [f32]) {
     debug_assert_eq!(x.len() % HADAMARD_BLOCK, 0);
-    hadamard_blocks(x);
-    let d = block_signs();
-    for b in x.chunks_exact_mut(HADAMARD_BLOCK) {
-        b.iter_mut().zip(d).for_each(|(v, s)| *v *= s);
+    unrotate_with(x, block_signs(), h16());
+}
+
+isa_variants! {
+    fn unrotate_with(x: &mut [f32], d: &[f32; HADAMARD_BLOCK], h: &[[f32; 16]; 16]) {
+        hadamard_blocks(x, h);
+        for b in x.chunks_exact_mut(HADAMARD_BLOCK) {
+            b.iter_mut().zip(d).for_each(|(v, s)| *v *= s);
+        }
     }
 }
 
@@ -168,7 +183,7 @@ const LANES: usize = 16;
 
 /// Dot product with independent lanes (four 16-lane accumulators, so it vectorizes into
 /// independent FMA chains; the summation order is fixed).
-#[inline]
+#[inline(always)]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
     let n = a.len().min(b.len());
@@ -221,7 +236,11 @@ pub fn exp_fast(x: f32) -> f32 {
     const C1: f32 = 0.693_359_4;
     const C2: f32 = -2.121_944_4e-4;
     let x = x.clamp(-87.33, 88.72);
-    let fx = (x * LOG2E + 0.5).floor();
+    // floor by truncation (exact here, |t| < 2^7): one SSE2 instruction where `floor` is a
+    // libm call on the plain x86-64 target
+    let t = x * LOG2E + 0.5;
+    let fx = t as i32 as f32;
+    let fx = if fx > t { fx - 1.0 } else { fx };
     let r = x - fx * C1 - fx * C2;
     let z = r * r;
     let mut y = 1.987_569_1e-4f32;
@@ -235,7 +254,7 @@ pub fn exp_fast(x: f32) -> f32 {
 }
 
 /// `x = e^(x - m)` for every element; returns the sum of the results.
-#[inline]
+#[inline(always)]
 pub fn exp_sub_sum(xs: &mut [f32], m: f32) -> f32 {
     for x in xs.iter_mut() {
         *x = exp_fast(*x - m);
@@ -252,7 +271,7 @@ pub fn exp_sub_sum(xs: &mut [f32], m: f32) -> f32 {
 }
 
 /// `y += a * x`.
-#[inline]
+#[inline(always)]
 pub fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
     for (yv, &xv) in y.iter_mut().zip(x) {
         *yv += a * xv;
@@ -375,12 +394,25 @@ impl RopeTable {
     /// Rotates each head (`head_dim` wide) of each row of `x` (`[positions.len(), heads * head_dim]`)
     /// by its row's position.
     pub fn apply(&self, x: &mut [f32], positions: &[usize], head_dim: usize) {
-        let h = self.half;
+        rope_rows(x, positions, head_dim, self.half, &self.cos, &self.sin);
+    }
+}
+
+isa_variants! {
+    /// [`RopeTable::apply`] with the table's half width `h` and its `cos`/`sin` rows.
+    fn rope_rows(
+        x: &mut [f32],
+        positions: &[usize],
+        head_dim: usize,
+        h: usize,
+        cos: &[f32],
+        sin: &[f32],
+    ) {
         debug_assert!(2 * h <= head_dim);
         let row_len = x.len() / positions.len().max(1);
         for (row, &p) in x.chunks_exact_mut(row_len).zip(positions) {
-            let cos = &self.cos[p * h..(p + 1) * h];
-            let sin = &self.sin[p * h..(p + 1) * h];
+            let cos = &cos[p * h..(p + 1) * h];
+            let sin = &sin[p * h..(p + 1) * h];
             for head in row.chunks_exact_mut(head_dim) {
                 let (a, b) = head[..2 * h].split_at_mut(h);
                 for i in 0..h {
@@ -565,7 +597,7 @@ mod tests {
         }
         // the fast transform equals the definition H[j][l] = (-1)^popcount(j & l) / 16
         let mut e = x[..256].to_vec();
-        hadamard_blocks(&mut e);
+        hadamard_blocks(&mut e, h16());
         for (l, &got) in e.iter().enumerate() {
             let want: f64 = (0..256)
                 .map(|j: usize| {

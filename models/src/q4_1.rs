@@ -8,8 +8,9 @@
 //!   and multiplied into 16-lane accumulators of up to 8 input rows, for 2 or 4 weight rows at a
 //!   time. Three variants, picked at run time (`crate::cpu`): AVX-512, AVX2 (two 8-lane
 //!   registers per accumulator, its own tile shapes) and portable code, all with the same
-//!   arithmetic (the portable code is the reference; without hardware FMA its `mul_add` is
-//!   libm's, exact but slow). The inputs stay f32: no activation quantization. Work is split into groups of output rows
+//!   arithmetic (the portable code with fused multiply-adds is the reference; on an x86-64
+//!   target without FMA the portable variant rounds products separately). The inputs stay f32:
+//!   no activation quantization. Work is split into groups of output rows
 //!   on candle's thread pool (the one its matmuls and our attention use); a group's weights
 //!   stay in cache while every tile of input rows passes over them.
 //!
@@ -278,11 +279,18 @@ fn tree_sum(mut p: [f32; 16]) -> f32 {
     p[0]
 }
 
-/// The kernel in plain Rust: the reference the SIMD variants compute exactly.
+/// The kernel in plain Rust. [`tile`] (fused multiply-adds) is the reference the SIMD variants
+/// compute exactly; the portable variant runs it where FMA is an instruction of the build's
+/// target, and otherwise the same loop with separate multiplies and adds (libm's exact `fmaf`
+/// costs ~100x, and no SIMD variant runs on a CPU without FMA to be compared with).
 mod portable {
     use super::{scale_min, tree_sum, TileKernel, BLOCK_BYTES, MT, QK};
 
     pub(super) struct Kernel;
+
+    /// Whether the build's target has FMA instructions (so `mul_add` is one).
+    pub(super) const HARDWARE_FMA: bool =
+        cfg!(any(target_feature = "fma", not(target_arch = "x86_64")));
 
     impl TileKernel for Kernel {
         #[inline(always)]
@@ -291,12 +299,32 @@ mod portable {
             xt: &[f32],
             sums: &mut [[f32; 4]; MT],
         ) {
-            tile::<NR, M>(rows, xt, sums)
+            tile_with::<NR, M, HARDWARE_FMA>(rows, xt, sums)
+        }
+    }
+
+    /// The reference: every multiply-add fused.
+    #[cfg(test)]
+    pub(super) fn tile<const NR: usize, const M: usize>(
+        rows: [&[u8]; NR],
+        xt: &[f32],
+        sums: &mut [[f32; 4]; MT],
+    ) {
+        tile_with::<NR, M, true>(rows, xt, sums)
+    }
+
+    /// `a * b + c`, rounded once when `FUSED`.
+    #[inline(always)]
+    fn madd<const FUSED: bool>(a: f32, b: f32, c: f32) -> f32 {
+        if FUSED {
+            a.mul_add(b, c)
+        } else {
+            a * b + c
         }
     }
 
     #[inline(always)]
-    pub(super) fn tile<const NR: usize, const M: usize>(
+    fn tile_with<const NR: usize, const M: usize, const FUSED: bool>(
         rows: [&[u8]; NR],
         xt: &[f32],
         sums: &mut [[f32; 4]; MT],
@@ -310,16 +338,16 @@ mod portable {
                 let blk = &rows[j][b * BLOCK_BYTES..(b + 1) * BLOCK_BYTES];
                 let (d, m) = scale_min(blk);
                 for l in 0..16 {
-                    lo[j][l] = f32::from(blk[4 + l] & 15).mul_add(d, m);
-                    hi[j][l] = f32::from(blk[4 + l] >> 4).mul_add(d, m);
+                    lo[j][l] = madd::<FUSED>(f32::from(blk[4 + l] & 15), d, m);
+                    hi[j][l] = madd::<FUSED>(f32::from(blk[4 + l] >> 4), d, m);
                 }
             }
             for r in 0..M {
                 let xb = &xt[r * k + b * QK..][..QK];
                 for j in 0..NR {
                     for l in 0..16 {
-                        acc[r][j][l] = lo[j][l].mul_add(xb[l], acc[r][j][l]);
-                        acc[r][j][l] = hi[j][l].mul_add(xb[16 + l], acc[r][j][l]);
+                        acc[r][j][l] = madd::<FUSED>(lo[j][l], xb[l], acc[r][j][l]);
+                        acc[r][j][l] = madd::<FUSED>(hi[j][l], xb[16 + l], acc[r][j][l]);
                     }
                 }
             }
@@ -578,15 +606,21 @@ mod tests {
     fn matmul_matches_dequantized_dot() {
         for (rows, cols) in [(37, 96), (1, 32), (67, 576), (130, 1536)] {
             let w = random_matrix(rows, cols, 7 + rows as u64);
-            for m in [1, 3, 16, 200] {
+            for (m, isa) in [1, 3, 16, 200]
+                .into_iter()
+                .flat_map(|m| Isa::runnable().into_iter().map(move |i| (m, i)))
+            {
                 let x = random_input(m, cols, 99 + m as u64);
-                let got = w.matmul(&x, m);
+                let got = w.matmul_on(isa, &x, m);
                 let want = naive(&w, &x, m);
                 // relative to the size of the terms: cancellation makes small sums noisy
                 let scale = (cols as f64).sqrt() * 0.5;
                 for (i, (&g, &e)) in got.iter().zip(&want).enumerate() {
                     let err = (f64::from(g) - e).abs() / e.abs().max(scale);
-                    assert!(err < 1e-4, "[{rows}, {cols}] m={m} #{i}: {g} vs {e}");
+                    assert!(
+                        err < 1e-4,
+                        "{isa:?} [{rows}, {cols}] m={m} #{i}: {g} vs {e}"
+                    );
                 }
             }
         }
@@ -597,28 +631,27 @@ mod tests {
         let (rows, cols) = (75, 576); // not a multiple of any tile
         let w = random_matrix(rows, cols, 3);
         let x = random_input(200, cols, 4);
-        let in_200 = w.matmul(&x, 200);
-        for m in [1, 3, 16, 200] {
-            let batch = w.matmul(&x[..m * cols], m);
-            for r in [0, m / 2, m - 1] {
-                let alone = w.matmul(&x[r * cols..(r + 1) * cols], 1);
-                assert_eq!(
-                    &batch[r * rows..(r + 1) * rows],
-                    &alone[..],
-                    "m={m} row {r}"
-                );
-                assert_eq!(
-                    &in_200[r * rows..(r + 1) * rows],
-                    &alone[..],
-                    "m={m} row {r}"
-                );
+        for isa in Isa::runnable() {
+            let in_200 = w.matmul_on(isa, &x, 200);
+            for m in [1, 3, 16, 200] {
+                let batch = w.matmul_on(isa, &x[..m * cols], m);
+                for r in [0, m / 2, m - 1] {
+                    let alone = w.matmul_on(isa, &x[r * cols..(r + 1) * cols], 1);
+                    let at = format!("{isa:?} m={m} row {r}");
+                    assert_eq!(&batch[r * rows..(r + 1) * rows], &alone[..], "{at}");
+                    assert_eq!(&in_200[r * rows..(r + 1) * rows], &alone[..], "{at}");
+                }
             }
         }
     }
 
     #[test]
     fn every_variant_this_cpu_runs_equals_the_portable_kernel_bit_for_bit() {
-        let runnable = Isa::runnable();
+        // the portable variant is the reference only where the target has FMA (module docs)
+        let runnable: Vec<Isa> = Isa::runnable()
+            .into_iter()
+            .filter(|&i| i != Isa::Portable || portable::HARDWARE_FMA)
+            .collect();
         eprintln!("variants run: {runnable:?}");
         for (rows, cols) in [(11, 160), (75, 576), (4, 32)] {
             let w = random_matrix(rows, cols, 5 + rows as u64);

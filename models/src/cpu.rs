@@ -90,6 +90,10 @@ impl Isa {
     /// The instruction set the kernels use in this process: the detected one, capped by
     /// `TANDEM_CPU_ISA` where that names one this CPU runs (chosen at the first call).
     pub fn active() -> Isa {
+        #[cfg(test)]
+        if let Some(isa) = TEST_ISA.with(|t| t.get()) {
+            return isa;
+        }
         match ACTIVE.load(Ordering::Relaxed) {
             UNSET => {
                 let cap = std::env::var(ISA_ENV).ok();
@@ -153,6 +157,23 @@ macro_rules! isa_variants {
     };
 }
 pub(crate) use isa_variants;
+
+#[cfg(test)]
+thread_local! {
+    /// An instruction set [`Isa::active`] answers on this thread only (tests of the variants;
+    /// kernels that run on candle's pool threads take an explicit `Isa` instead).
+    static TEST_ISA: std::cell::Cell<Option<Isa>> = const { std::cell::Cell::new(None) };
+}
+
+/// Runs `f` with [`Isa::active`] answering `isa` on this thread.
+#[cfg(test)]
+pub(crate) fn on_this_thread<R>(isa: Isa, f: impl FnOnce() -> R) -> R {
+    assert!(isa.supported());
+    TEST_ISA.with(|t| t.set(Some(isa)));
+    let r = f();
+    TEST_ISA.with(|t| t.set(None));
+    r
+}
 
 /// The active instruction set as its index in [`Isa::ALL`], or [`UNSET`] before the first use.
 static ACTIVE: AtomicU8 = AtomicU8::new(UNSET);

@@ -486,6 +486,34 @@ mod tests {
     }
 
     #[test]
+    fn every_variant_of_the_element_wise_ops_gives_the_portable_bits() {
+        use crate::cpu::{on_this_thread, Isa};
+        let mut s = 3;
+        let (d, rows) = (576, 5);
+        let x: Vec<f32> = (0..rows * d).map(|_| lcg(&mut s) * 4.0).collect();
+        let w: Vec<f32> = (0..d).map(|_| lcg(&mut s)).collect();
+        let rope = RopeTable::new(10000.0, 64, 64, None).unwrap();
+        let positions: Vec<usize> = (0..rows).map(|r| r * 7 % 64).collect();
+        let run = || {
+            let mut a = x.clone();
+            rms_norm(&mut a, &w, 1e-5);
+            add_assign(&mut a, &x);
+            let act = silu_mul(&a[..4 * d], 2 * d / 3);
+            let mut r = x[..3 * 256].to_vec();
+            rotate_blocks(&mut r);
+            let mut u = r.clone();
+            unrotate_blocks(&mut u);
+            let mut q = x.clone();
+            rope.apply(&mut q, &positions, 64);
+            [a, act, r, u, q].map(|v| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
+        };
+        let want = on_this_thread(Isa::Portable, run);
+        for isa in Isa::runnable() {
+            assert_eq!(on_this_thread(isa, run), want, "{isa:?}");
+        }
+    }
+
+    #[test]
     fn rms_norm_matches_naive_f64() {
         let mut s = 1;
         let d = 576;

@@ -12,8 +12,9 @@
 //! - Online softmax over one cache block at a time (running max and sum), so no buffer grows
 //!   with the context and no gather copy of the context is made. f32 caches are read in place;
 //!   f16/bf16 caches are decoded one block of one head at a time into a small scratch.
-//! - Work is split into (sequence, tile of queries) tasks, all heads inside, run in parallel on
-//!   candle's thread pool (the one its matmuls use: a second pool on the same cores only adds
+//! - Work is split into (sequence, tile of queries) tasks, all heads inside (or, when there are
+//!   fewer than two tasks per thread, as in a batch-1 decode, a range of KV heads each), run in
+//!   parallel on candle's thread pool (the one its matmuls use: a second pool on the same cores only adds
 //!   wake-ups and preemption). A query's result depends only on its own sequence's cache,
 //!   never on the other tasks, so batching does not change it.
 
@@ -66,6 +67,35 @@ impl<'a> LayerCache<'a> {
             LayerCache::F32(view) | LayerCache::Bytes(view) => view,
         }
     }
+}
+
+/// One task: queries `r0..r0 + n` of sequence `seq`, for the query heads of KV heads `kv_heads`.
+#[derive(Debug, Clone, PartialEq)]
+struct Task {
+    seq: usize,
+    r0: usize,
+    n: usize,
+    kv_heads: std::ops::Range<usize>,
+}
+
+/// Splits tasks across KV heads when there are too few to keep `threads` busy (a batch-1
+/// decode step is one task): at least two tasks per thread where the heads allow. Heads are
+/// independent, so a query's result does not depend on the split.
+fn split_by_kv_heads(tasks: Vec<Task>, nkv: usize, threads: usize) -> Vec<Task> {
+    let want = 2 * threads;
+    if threads < 2 || tasks.len() >= want || nkv < 2 {
+        return tasks;
+    }
+    let parts = want.div_ceil(tasks.len()).min(nkv);
+    tasks
+        .into_iter()
+        .flat_map(|t| {
+            (0..parts).map(move |i| Task {
+                kv_heads: i * nkv / parts..(i + 1) * nkv / parts,
+                ..t.clone()
+            })
+        })
+        .collect()
 }
 
 /// Queries per task: small enough to spread a long prefill over the cores, large enough to
@@ -124,24 +154,34 @@ pub(crate) fn paged_attention_on(
         let mut r = 0;
         while r < seq.query_len {
             let n = (seq.query_len - r).min(QUERY_TILE);
-            tasks.push((s, r, n));
+            tasks.push(Task {
+                seq: s,
+                r0: r,
+                n,
+                kv_heads: 0..nkv,
+            });
             r += n;
         }
     }
+    let tasks = split_by_kv_heads(tasks, nkv, candle_core::utils::get_num_threads());
     // One pool for everything: candle's matmuls run on its barrier pool, so attention does
     // too (a second pool on the same cores only adds wake-ups and preemption).
     let slots: Vec<OnceLock<Vec<f32>>> = (0..tasks.len()).map(|_| OnceLock::new()).collect();
     candle_core::utils::barrier_pool().execute_chunked(tasks.len(), |range| {
         for t in range {
-            let (s, r0, n) = tasks[t];
-            let _ = slots[t].set(attend_on(isa, q, &seqs[s], r0, n, &cache, p));
+            let _ = slots[t].set(attend_on(isa, q, &seqs[tasks[t].seq], &tasks[t], &cache, p));
         }
     });
     let mut out = vec![0f32; rows * row];
-    for (&(s, r0, n), res) in tasks.iter().zip(slots) {
+    let group_width = (nh / nkv) * hd;
+    for (task, res) in tasks.iter().zip(slots) {
         let res = res.into_inner().expect("every task ran");
-        let dst = (seqs[s].query_start + r0) * row;
-        out[dst..dst + n * row].copy_from_slice(&res);
+        let width = task.kv_heads.len() * group_width;
+        for (i, part) in res.chunks_exact(width).enumerate() {
+            let dst = (seqs[task.seq].query_start + task.r0 + i) * row
+                + task.kv_heads.start * group_width;
+            out[dst..dst + width].copy_from_slice(part);
+        }
     }
     Ok(out)
 }
@@ -321,27 +361,29 @@ fn accumulate_values(acc: &mut [f32], w: &[f32], vb: &[f32], stride: usize) {
 unsafe fn attend_tile<S: Scores>(
     q: &[f32],
     seq: &SeqBatch,
-    r0: usize,
-    n: usize,
+    task: &Task,
     cache: &LayerCache,
     p: &AttentionParams,
 ) -> Vec<f32> {
     let (nh, nkv, hd) = (p.num_heads, p.num_kv_heads, p.head_dim);
     let group = nh / nkv;
+    let (r0, n, heads) = (task.r0, task.n, task.kv_heads.clone());
+    let nk = heads.len();
     let layout = cache.view().layout;
     let bs = layout.block_size;
     let kts = bs.div_ceil(L) * L; // row length of the scores buffer
     let first = seq.context_len - seq.query_len; // cache index of the sequence's first query
 
     // Scaled query vectors ordered [kv head g][query i][head h of the group], so that the
-    // vectors sharing a KV head are contiguous: vector index (g * n + i) * group + h.
-    let nq = n * nh;
+    // vectors sharing a KV head are contiguous: vector index (gl * n + i) * group + h, with
+    // `gl = g - heads.start` the KV head's place in this task.
+    let nq = n * nk * group;
     let per_g = n * group;
     let mut qs = vec![0f32; nq * hd];
     for i in 0..n {
         let src = &q[(seq.query_start + r0 + i) * nh * hd..][..nh * hd];
-        for g in 0..nkv {
-            let dst = (g * n + i) * group * hd;
+        for g in heads.clone() {
+            let dst = ((g - heads.start) * n + i) * group * hd;
             for (d, &x) in qs[dst..dst + group * hd]
                 .iter_mut()
                 .zip(&src[g * group * hd..(g + 1) * group * hd])
@@ -368,7 +410,8 @@ unsafe fn attend_tile<S: Scores>(
         let block = seq.block_table[b] as usize;
         let (j0, j1) = (b * bs, ((b + 1) * bs).min(t_hi));
         let nt = j1 - j0;
-        for g in 0..nkv {
+        for g in heads.clone() {
+            let gl = g - heads.start;
             // Rows of this block for head g, as f32 slices `stride` apart.
             let (kb, vb, stride): (&[f32], &[f32], usize) = match cache {
                 LayerCache::F32(view) => {
@@ -396,7 +439,7 @@ unsafe fn attend_tile<S: Scores>(
                     (&k_scratch[..], &v_scratch[..], hd)
                 }
             };
-            let qg = &qs[g * per_g * hd..(g + 1) * per_g * hd];
+            let qg = &qs[gl * per_g * hd..(gl + 1) * per_g * hd];
             // Scores of the group's query vectors against all keys of the block (masking below).
             // One kernel for every query, whatever the batch: the summation order, hence the
             // result, does not depend on how many queries share the task.
@@ -412,7 +455,7 @@ unsafe fn attend_tile<S: Scores>(
                 }
                 for h in 0..group {
                     let li = i * group + h; // within the group's vectors
-                    let qi = g * per_g + li;
+                    let qi = gl * per_g + li;
                     let sc = &mut scores[li * kts + (a - j0)..li * kts + (z - j0)];
                     let m_blk = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                     let acc_q = &mut acc[qi * hd..(qi + 1) * hd];
@@ -428,14 +471,14 @@ unsafe fn attend_tile<S: Scores>(
             }
         }
     }
-    // Normalize and reorder to [query i][head].
-    let mut out = vec![0f32; n * nh * hd];
-    for g in 0..nkv {
+    // Normalize and reorder to [query i][head of this task].
+    let mut out = vec![0f32; nq * hd];
+    for gl in 0..nk {
         for i in 0..n {
             for h in 0..group {
-                let qi = (g * n + i) * group + h;
+                let qi = (gl * n + i) * group + h;
                 let inv = 1.0 / sum[qi];
-                let dst = (i * nh + g * group + h) * hd;
+                let dst = (i * nk * group + gl * group + h) * hd;
                 for (o, &a) in out[dst..dst + hd]
                     .iter_mut()
                     .zip(&acc[qi * hd..(qi + 1) * hd])
@@ -453,19 +496,18 @@ fn attend_on(
     isa: Isa,
     q: &[f32],
     seq: &SeqBatch,
-    r0: usize,
-    n: usize,
+    task: &Task,
     cache: &LayerCache,
     p: &AttentionParams,
 ) -> Vec<f32> {
     // SAFETY: each variant is entered only for its own `isa`, which the CPU runs.
     unsafe {
         match isa {
-            Isa::Portable => attend_tile::<DotScores>(q, seq, r0, n, cache, p),
+            Isa::Portable => attend_tile::<DotScores>(q, seq, task, cache, p),
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => attend_avx2(q, seq, r0, n, cache, p),
+            Isa::Avx2 => attend_avx2(q, seq, task, cache, p),
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => attend_avx512(q, seq, r0, n, cache, p),
+            Isa::Avx512 => attend_avx512(q, seq, task, cache, p),
             #[cfg(not(target_arch = "x86_64"))]
             _ => unreachable!("{} is never supported off x86-64", isa.name()),
         }
@@ -479,13 +521,12 @@ fn attend_on(
 unsafe fn attend_avx2(
     q: &[f32],
     seq: &SeqBatch,
-    r0: usize,
-    n: usize,
+    task: &Task,
     cache: &LayerCache,
     p: &AttentionParams,
 ) -> Vec<f32> {
     // SAFETY: the caller's contract.
-    unsafe { attend_tile::<DotScores>(q, seq, r0, n, cache, p) }
+    unsafe { attend_tile::<DotScores>(q, seq, task, cache, p) }
 }
 
 /// # Safety
@@ -495,13 +536,12 @@ unsafe fn attend_avx2(
 unsafe fn attend_avx512(
     q: &[f32],
     seq: &SeqBatch,
-    r0: usize,
-    n: usize,
+    task: &Task,
     cache: &LayerCache,
     p: &AttentionParams,
 ) -> Vec<f32> {
     // SAFETY: the caller's contract.
-    unsafe { attend_tile::<Avx512Scores>(q, seq, r0, n, cache, p) }
+    unsafe { attend_tile::<Avx512Scores>(q, seq, task, cache, p) }
 }
 
 /// Distance in f32 elements between the rows of consecutive tokens of one head.
@@ -770,5 +810,88 @@ mod tests {
         };
         let alone = paged_attention(&q[2 * 32..], &[b_alone], cache, &p).unwrap();
         assert_eq!(&both[2 * 32..], &alone[..]);
+    }
+
+    #[test]
+    fn few_tasks_are_split_over_kv_heads_covering_each_once() {
+        let t = |seq, r0, n| Task {
+            seq,
+            r0,
+            n,
+            kv_heads: 0..3,
+        };
+        // one decode task, two threads: three parts (at most one per KV head)
+        let split = split_by_kv_heads(vec![t(0, 0, 1)], 3, 2);
+        let heads: Vec<_> = split.iter().map(|t| t.kv_heads.clone()).collect();
+        assert_eq!(heads, vec![0..1, 1..2, 2..3]);
+        // two tasks, two threads, 3 heads: two parts each, every head once per task
+        let split = split_by_kv_heads(vec![t(0, 0, 1), t(1, 0, 4)], 3, 2);
+        assert_eq!(split.len(), 4);
+        for seq in 0..2 {
+            let mut covered: Vec<usize> = split
+                .iter()
+                .filter(|t| t.seq == seq)
+                .flat_map(|t| t.kv_heads.clone())
+                .collect();
+            covered.sort();
+            assert_eq!(covered, vec![0, 1, 2]);
+        }
+        // enough tasks, one thread or one KV head: unchanged
+        let many: Vec<Task> = (0..4).map(|s| t(s, 0, 1)).collect();
+        assert_eq!(split_by_kv_heads(many.clone(), 3, 2), many);
+        assert_eq!(split_by_kv_heads(vec![t(0, 0, 1)], 3, 1), vec![t(0, 0, 1)]);
+        assert_eq!(split_by_kv_heads(vec![t(0, 0, 1)], 1, 2).len(), 1);
+    }
+
+    #[test]
+    fn a_decode_split_over_kv_heads_equals_the_same_query_in_a_full_batch() {
+        // 6 query heads over 3 KV heads: alone, the decode query is one task split over the
+        // KV heads (on 2+ threads); behind 5 other sequences nothing is split
+        let (nh, nkv, hd, bs) = (6, 3, 16, 4);
+        let storage = KvStorage::new(&KvCacheConfig {
+            num_blocks: 40,
+            groups: vec![KvCacheGroup {
+                group_id: 0,
+                spec: KvCacheSpec::FullAttention {
+                    block_size: bs,
+                    num_kv_heads: nkv,
+                    head_dim: hd,
+                    dtype: CacheDtype::F32,
+                },
+                layer_names: vec!["layers.0".into()],
+            }],
+        })
+        .unwrap();
+        let mut s = 21;
+        let kv: Vec<f32> = (0..160 * nkv * hd).map(|_| lcg(&mut s)).collect();
+        let slots: Vec<usize> = (0..160).collect();
+        storage.write_slots(0, &slots, &kv, &kv).unwrap();
+        let q: Vec<f32> = (0..6 * nh * hd).map(|_| lcg(&mut s)).collect();
+        let p = AttentionParams {
+            num_heads: nh,
+            num_kv_heads: nkv,
+            head_dim: hd,
+            scale: 0.25,
+            window: None,
+        };
+        let tables: Vec<Vec<u32>> = (0..6u32).map(|i| (i * 6..i * 6 + 6).collect()).collect();
+        let seq = |i: usize, start: usize| SeqBatch {
+            query_start: start,
+            query_len: 1,
+            context_len: 17 + i,
+            block_table: &tables[i],
+        };
+        let cache = LayerCache::from_storage(&storage, 0).unwrap();
+        let batch: Vec<SeqBatch> = (0..6).map(|i| seq(i, i)).collect();
+        let row = nh * hd;
+        for isa in Isa::runnable() {
+            let all = paged_attention_on(isa, &q, &batch, cache, &p).unwrap();
+            for i in [0, 5] {
+                let alone =
+                    paged_attention_on(isa, &q[i * row..(i + 1) * row], &[seq(i, 0)], cache, &p)
+                        .unwrap();
+                assert_eq!(&all[i * row..(i + 1) * row], &alone[..], "{isa:?} seq {i}");
+            }
+        }
     }
 }

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# CPU forward side by side with llama.cpp, in one run: Tandem's `bench_model` example on the
+# default model's Q4_1 GGUF (`native`: our Q4_1 kernel in each instruction-set variant this CPU
+# runs; `q8_0`: the default weight mode) and llama.cpp through llama-cpp-python on the same file,
+# prompt (200 tokens) and decode steps, 2 threads each, ROUNDS rounds interleaved (the machine is
+# noisy: compare within a round).
+#
+# llama-cpp-python is built from its PyPI source once (about 15 min on 2 cores) into
+# .tools/llama-cpp-native, with GGML_NATIVE=ON (llama.cpp's best for this CPU).
+# Usage: scripts/bench_cpu.sh [ROUNDS] [STEPS]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+rounds=${1:-3}
+steps=${2:-32}
+./scripts/setup.sh >/dev/null
+model=.models/SmolLM2-135M-Instruct.Q4_1.gguf
+lcp=.tools/llama-cpp-native
+if ! PYTHONPATH=$lcp python3 -c "import llama_cpp" 2>/dev/null; then
+    echo "bench_cpu: building llama-cpp-python 0.3.36 (llama.cpp, GGML_NATIVE=ON) into $lcp"
+    CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
+        CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" \
+        python3 -m pip install --quiet --target "$lcp" llama-cpp-python==0.3.36 numpy
+fi
+cargo build --release --locked -p tandem-models --example bench_model 2>&1 | tail -n 1
+variants=$(python3 - <<'PY'
+import re
+flags = open("/proc/cpuinfo").read()
+have = lambda *f: all(re.search(rf"\b{x}\b", flags) for x in f)
+v = []
+if have("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"):
+    v.append("native@avx512")
+if have("avx2", "fma", "f16c"):
+    v.append("native@avx2")
+print(",".join(v + ["q8_0"]))
+PY
+)
+echo "CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); flags:" \
+    "$(grep -m1 '^flags' /proc/cpuinfo | grep -oE 'avx512(f|bw|vl|dq|_vnni)|avx2|fma|f16c' | sort -u | xargs)"
+for r in $(seq 1 "$rounds"); do
+    echo "== round $r"
+    RAYON_NUM_THREADS=2 target/release/examples/bench_model smollm2-135m "$variants" "$steps" |
+        grep -E '^\| (weights|[a-z0-9_]+@)'
+    echo "| llama.cpp | prefill tok/s | decode tok/s (b=1) | step b=1 ms |"
+    PYTHONPATH=$lcp python3 scripts/llama_cpp_bench.py "$model" "$steps" 2
+done

@@ -1,7 +1,7 @@
 //! Which instruction set Tandem's own CPU kernels run, chosen once per process at run time.
 //!
 //! The binary is built for the plain target; each hot kernel (the Q4_1 matmul, paged
-//! attention) is compiled three times, for [`Isa::Avx512`] (AVX-512 F/BW/VL/DQ with FMA and
+//! attention, and the element-wise ops through [`isa_variants!`]) is compiled three times, for [`Isa::Avx512`] (AVX-512 F/BW/VL/DQ with FMA and
 //! F16C), [`Isa::Avx2`] (AVX2 with FMA and F16C) and [`Isa::Portable`] (plain Rust, any
 //! target), and the variant for the best instruction set the CPU has runs.
 //!
@@ -11,10 +11,11 @@
 //!   CPU without its instructions.
 //! - [`Isa::set_active`] switches the variant for later calls in the whole process (benchmarks
 //!   comparing variants in one run); the server never calls it.
-//! - Invariant: every variant computes each output with the same operations in the same order
-//!   as the portable code, except where a kernel's docs say otherwise (the AVX-512 attention
-//!   scores sum in another order), so a variant's results are bit-identical to the portable
-//!   ones (tested per kernel for every variant this CPU can run).
+//! - Invariant: the AVX2 and AVX-512 variants compute each output with the same operations in
+//!   the same order as the portable code with fused multiply-adds, except where a kernel's docs
+//!   say otherwise (the AVX-512 attention scores sum in another order, and the portable Q4_1
+//!   variant rounds products separately on a target without FMA), so their results are
+//!   bit-identical to that reference (tested per kernel for every variant this CPU runs).
 
 use std::sync::atomic::{AtomicU8, Ordering};
 

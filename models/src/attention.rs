@@ -163,11 +163,13 @@ pub(crate) fn paged_attention_on(
             r += n;
         }
     }
-    let tasks = split_by_kv_heads(tasks, nkv, candle_core::utils::get_num_threads());
     // One pool for everything: candle's matmuls run on its barrier pool, so attention does
-    // too (a second pool on the same cores only adds wake-ups and preemption).
+    // too (a second pool on the same cores only adds wake-ups and preemption). Its threads are
+    // its workers and the calling thread.
+    let pool = candle_core::utils::barrier_pool();
+    let tasks = split_by_kv_heads(tasks, nkv, pool.n_workers() + 1);
     let slots: Vec<OnceLock<Vec<f32>>> = (0..tasks.len()).map(|_| OnceLock::new()).collect();
-    candle_core::utils::barrier_pool().execute_chunked(tasks.len(), |range| {
+    pool.execute_chunked(tasks.len(), |range| {
         for t in range {
             let _ = slots[t].set(attend_on(isa, q, &seqs[tasks[t].seq], &tasks[t], &cache, p));
         }

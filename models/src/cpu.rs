@@ -1,9 +1,10 @@
 //! Which instruction set Tandem's own CPU kernels run, chosen once per process at run time.
 //!
 //! The binary is built for the plain target; each hot kernel (the Q4_1 matmul, paged
-//! attention, and the element-wise ops through [`isa_variants!`]) is compiled three times, for [`Isa::Avx512`] (AVX-512 F/BW/VL/DQ with FMA and
-//! F16C), [`Isa::Avx2`] (AVX2 with FMA and F16C) and [`Isa::Portable`] (plain Rust, any
-//! target), and the variant for the best instruction set the CPU has runs.
+//! attention, and the element-wise ops through [`isa_variants!`]) is compiled three times, for
+//! [`Isa::Avx512`] (AVX-512 F/BW/VL/DQ with FMA and F16C), [`Isa::Avx2`] (AVX2 with FMA and
+//! F16C) and [`Isa::Portable`] (plain Rust, any target), and the variant for the best
+//! instruction set the CPU has runs.
 //!
 //! - `TANDEM_CPU_ISA=portable|avx2|avx512` caps the choice (tests, benchmarks, a suspected
 //!   kernel bug); a cap above what the CPU has, or a value that is not one of these, is

@@ -78,7 +78,24 @@ impl Server {
         args: &[&str],
         env: &[(&str, &str)],
     ) -> Server {
-        Self::start_on(netns, host, free_port(), sub, args, env)
+        // A port found free can be taken before the server binds it (its own NIXL agent opens
+        // ephemeral ports first): a start that lost that race is retried on another port.
+        for _ in 0..3 {
+            let port = free_port();
+            let started =
+                std::panic::catch_unwind(|| Self::start_on(netns, host, port, sub, args, env));
+            match started {
+                Ok(server) => return server,
+                Err(e) => {
+                    let log = std::env::temp_dir().join(format!("tandem-test-{sub}-{port}.log"));
+                    let text = std::fs::read_to_string(log).unwrap_or_default();
+                    if !text.contains("Address already in use") {
+                        std::panic::resume_unwind(e);
+                    }
+                }
+            }
+        }
+        panic!("tandem {sub}: three ports in a row were taken before it bound them")
     }
 
     /// [`Self::start_at`] on a given port (a restart where the last process listened).

@@ -31,6 +31,11 @@
 //!   dot-product kernel that does not batch (measured for Q4_1 before our kernel: batch 16 ÷
 //!   batch 1 ≈ 1.1x). Whether a Q4_K/Q8_0 file with 256-multiple widths batches in this mode
 //!   has not been measured.
+//! - `NativeI8`: `Native` with each Q4_1 matmul's inputs quantized to 8 bits per 32 values
+//!   (`q4_1/int8.rs`), as llama.cpp multiplies Q4_1: integer dot products, about half the
+//!   instructions per weight of the f32 kernel, so batch-1 decode reads weights at close to the
+//!   memory's rate (BENCHMARKS.md); the activation rounding moves it a little further from f32
+//!   than `Native` (models/tests/weight_modes.rs prints its KL).
 //!
 //! Invariant: a `Linear` computes every input row independently of the other rows (padding,
 //! rotation and activation quantization are per row; the Q4_1 kernel sums every output in one
@@ -45,7 +50,7 @@ use candle_core::{Device, Module, Tensor};
 
 use crate::error::ModelError;
 use crate::ops::{rotate_blocks, unrotate_blocks, HADAMARD_BLOCK};
-use crate::q4_1::Q4_1Matrix;
+use crate::q4_1::{Q4_1Matrix, Q8Rows};
 
 /// How weights are held in memory. See the module docs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -61,15 +66,21 @@ pub enum WeightMode {
     /// batch 1 (1.1x with candle's kernels), prefill ~660 tok/s (BENCHMARKS.md). Other quantized
     /// types run candle's `QMatMul` as stored.
     Native,
+    /// `Native` with activations quantized to 8 bits per 32 values before each Q4_1 matmul, as
+    /// llama.cpp multiplies Q4_1: integer dot products, ~2x fewer instructions per weight than
+    /// the f32 kernel, so the fastest batch-1 decode on the CPU; a little further from f32 than
+    /// `Native` (module docs). Other matrices as in `Native`.
+    NativeI8,
 }
 
 impl WeightMode {
-    /// Parses `f32`, `q8_0`/`q8`, `native`/`gguf`.
+    /// Parses `f32`, `q8_0`/`q8`, `native`/`gguf`, `native-i8`.
     pub fn parse(s: &str) -> Option<Self> {
         match s.to_ascii_lowercase().as_str() {
             "f32" | "float32" => Some(WeightMode::F32),
             "q8_0" | "q8" => Some(WeightMode::Q8_0),
             "native" | "gguf" => Some(WeightMode::Native),
+            "native-i8" | "native_i8" => Some(WeightMode::NativeI8),
             _ => None,
         }
     }
@@ -78,6 +89,7 @@ impl WeightMode {
             WeightMode::F32 => "f32",
             WeightMode::Q8_0 => "q8_0",
             WeightMode::Native => "native",
+            WeightMode::NativeI8 => "native-i8",
         }
     }
 }
@@ -281,6 +293,11 @@ impl HostMatrix {
     /// Builds the forward-pass form of this matrix.
     pub fn into_linear(self, mode: WeightMode) -> Result<Linear, ModelError> {
         let (rows, cols) = (self.rows, self.cols);
+        // `NativeI8` differs from `Native` only in how Q4_1 matrices take their inputs
+        let (mode, i8_inputs) = match mode {
+            WeightMode::NativeI8 => (WeightMode::Native, true),
+            mode => (mode, false),
+        };
         let weight = match (mode, self.data) {
             (WeightMode::F32, data) | (WeightMode::Native, data @ MatData::F32(_)) => {
                 let v = match data {
@@ -298,7 +315,10 @@ impl HostMatrix {
                     dtype: GgmlDType::Q4_1,
                     bytes,
                 },
-            ) => Weight::Q4_1(Arc::new(Q4_1Matrix::new(rows, cols, bytes)?)),
+            ) => Weight::Q4_1 {
+                w: Arc::new(Q4_1Matrix::new(rows, cols, bytes)?),
+                i8_inputs,
+            },
             // Q8_0 matrices of a native file (SmolLM2's tied embedding / lm_head) take the Q8_0
             // mode's padded, rotated form: as stored (576 wide) candle runs them untiled.
             (WeightMode::Q8_0, data)
@@ -342,6 +362,7 @@ impl HostMatrix {
                 q: Arc::new(quant_tensor(dtype, &bytes, rows, cols)?),
                 rotated: false,
             },
+            (WeightMode::NativeI8, _) => unreachable!("taken as Native above"),
         };
         Ok(Linear {
             weight,
@@ -378,8 +399,9 @@ enum Weight {
     /// `[out, in_padded]` quantized; `rotated`: the input dimension is multiplied by a
     /// block-diagonal Hadamard matrix (inputs are rotated likewise before the matmul).
     Quant { q: Arc<QTensor>, rotated: bool },
-    /// `[out, in]` Q4_1 as stored, multiplied by our batched kernel ([`Q4_1Matrix`]).
-    Q4_1(Arc<Q4_1Matrix>),
+    /// `[out, in]` Q4_1 as stored, multiplied by our batched kernel ([`Q4_1Matrix`]) with f32
+    /// inputs or, `i8_inputs`, inputs quantized to 8 bits ([`Q8Rows`]).
+    Q4_1 { w: Arc<Q4_1Matrix>, i8_inputs: bool },
 }
 
 /// `y = x Wᵀ` for a weight `W` of `[out_dim, in_dim]`.
@@ -394,7 +416,7 @@ impl Linear {
     /// The width the weight is stored with (`in_dim` or padded).
     fn stored_in_dim(&self) -> usize {
         match &self.weight {
-            Weight::F32(_) | Weight::Q4_1(_) => self.in_dim,
+            Weight::F32(_) | Weight::Q4_1 { .. } => self.in_dim,
             Weight::Quant { q, .. } => q.shape().dims()[1],
         }
     }
@@ -404,7 +426,7 @@ impl Linear {
         match &self.weight {
             Weight::F32(t) => t.elem_count() * 4,
             Weight::Quant { q, .. } => q.storage_size_in_bytes(),
-            Weight::Q4_1(w) => w.size_in_bytes(),
+            Weight::Q4_1 { w, .. } => w.size_in_bytes(),
         }
     }
 
@@ -414,8 +436,12 @@ impl Linear {
         if m == 0 {
             return Ok(Vec::new());
         }
-        if let Weight::Q4_1(w) = &self.weight {
-            return Ok(w.matmul(x, m));
+        if let Weight::Q4_1 { w, i8_inputs } = &self.weight {
+            return Ok(if *i8_inputs {
+                w.matmul_q8(&Q8Rows::quantize(x, self.in_dim))
+            } else {
+                w.matmul(x, m)
+            });
         }
         let k = self.stored_in_dim();
         let mut input = if k == self.in_dim {
@@ -436,7 +462,7 @@ impl Linear {
                 let xt = Tensor::from_vec(input, (m, k), &Device::Cpu)?;
                 QMatMul::QTensor(q.clone()).forward(&xt)?
             }
-            Weight::Q4_1(_) => unreachable!("returned above"),
+            Weight::Q4_1 { .. } => unreachable!("returned above"),
         };
         Ok(y.flatten_all()?.to_vec1()?)
     }
@@ -454,7 +480,7 @@ impl Linear {
         let (rows, rotated) = match &self.weight {
             Weight::F32(w) => (w.index_select(&idx, 0)?, false),
             Weight::Quant { q, rotated } => (q.embedding(&idx)?, *rotated),
-            Weight::Q4_1(w) => return Ok(w.dequantize_rows(ids)),
+            Weight::Q4_1 { w, .. } => return Ok(w.dequantize_rows(ids)),
         };
         let k = self.stored_in_dim();
         let mut v: Vec<f32> = rows.flatten_all()?.to_vec1()?;
@@ -497,7 +523,12 @@ mod tests {
         let m = matrix(32, 96); // 96 is padded to 256 in Q8_0
         let x: Vec<f32> = (0..3 * 96).map(|i| (i as f32 * 0.37).sin()).collect();
         let want = naive(&m, &x);
-        for mode in [WeightMode::F32, WeightMode::Q8_0, WeightMode::Native] {
+        for mode in [
+            WeightMode::F32,
+            WeightMode::Q8_0,
+            WeightMode::Native,
+            WeightMode::NativeI8,
+        ] {
             let lin = m.clone().into_linear(mode).unwrap();
             let got = lin.forward(&x, 3).unwrap();
             // Q8_0: weights and (rotated, per-256) activations quantized to 8 bits

@@ -132,7 +132,12 @@ fn teacher_forced(model: &dyn CausalLm, dtype: CacheDtype) -> Agreement {
 #[test]
 fn every_weight_mode_and_cache_dtype_predicts_like_the_reference() {
     let mut f32_logits = None;
-    for mode in [WeightMode::F32, WeightMode::Q8_0, WeightMode::Native] {
+    for mode in [
+        WeightMode::F32,
+        WeightMode::Q8_0,
+        WeightMode::Native,
+        WeightMode::NativeI8,
+    ] {
         let Some(m) = common::load(mode) else {
             return;
         };

@@ -1,4 +1,7 @@
-//! A Q4_1 matrix held as the file stores it, and its batched matmul `y = x Wᵀ` with f32 inputs.
+//! A Q4_1 matrix held as the file stores it, and its batched matmul `y = x Wᵀ` with f32 inputs
+//! (here) or inputs quantized to 8 bits ([`int8`]: integer dot products, `--dtype native-i8`).
+//! Both run the same tiling, threading and per-ISA dispatch ([`Q4_1Matrix::run`] over a
+//! [`KernelSet`]); only the tile kernels differ.
 //!
 //! - Layout (ggml's `block_q4_1`, 20 bytes per 32 values): f16 scale `d`, f16 minimum `m`, then
 //!   16 bytes whose low nibbles are values 0..16 and high nibbles values 16..32 of the block;
@@ -24,6 +27,9 @@ use half::f16;
 use crate::cpu::Isa;
 use crate::error::ModelError;
 
+mod int8;
+pub use int8::Q8Rows;
+
 /// Values per block.
 const QK: usize = 32;
 /// Bytes per block: `d`, `m` (f16 each), 16 bytes of nibbles.
@@ -35,7 +41,7 @@ const MT: usize = 8;
 
 /// A `[rows, cols]` Q4_1 matrix (rows = output features).
 #[derive(Debug, Clone)]
-pub(crate) struct Q4_1Matrix {
+pub struct Q4_1Matrix {
     rows: usize,
     cols: usize,
     bytes: Vec<u8>,
@@ -84,8 +90,14 @@ impl Q4_1Matrix {
 
     /// [`Self::matmul`] with the kernel variant for `isa`, which must be one this CPU runs
     /// (a variant it cannot run panics instead of executing unknown instructions).
-    pub(crate) fn matmul_on(&self, isa: Isa, x: &[f32], m: usize) -> Vec<f32> {
+    pub fn matmul_on(&self, isa: Isa, x: &[f32], m: usize) -> Vec<f32> {
         assert_eq!(x.len(), m * self.cols, "Q4_1 matmul input size");
+        self.run::<&[f32], F32Kernels>(isa, x, m)
+    }
+
+    /// `y = x Wᵀ` over `m` input rows with the tile kernels `S` of `isa`: work is split into
+    /// groups of [`GROUP`] output rows on candle's thread pool.
+    fn run<X: TileInput, S: KernelSet<X>>(&self, isa: Isa, x: X, m: usize) -> Vec<f32> {
         assert!(
             isa.supported(),
             "{} kernels on a CPU without them",
@@ -100,61 +112,52 @@ impl Q4_1Matrix {
                 let rows = g * GROUP..((g + 1) * GROUP).min(n);
                 // SAFETY: item `g` writes only columns `rows` of `y` (m rows of n), and items
                 // partition the columns; `y` outlives `execute_chunked`, which returns after
-                // every item ran. The CPU runs `isa` (asserted above).
-                unsafe { self.group_on(isa, x, m, rows, &out) };
+                // every item ran. Each variant is entered only for its own `isa`, which the
+                // CPU runs (asserted above).
+                unsafe {
+                    match isa {
+                        Isa::Portable => self.group::<X, S::Portable>(x, m, rows, &out),
+                        #[cfg(target_arch = "x86_64")]
+                        Isa::Avx2 => self.group_avx2::<X, S::Avx2>(x, m, rows, &out),
+                        #[cfg(target_arch = "x86_64")]
+                        Isa::Avx512 => self.group_avx512::<X, S::Avx512>(x, m, rows, &out),
+                        #[cfg(not(target_arch = "x86_64"))]
+                        _ => unreachable!("{} is never supported off x86-64", isa.name()),
+                    }
+                }
             }
         });
         y
-    }
-
-    /// [`Self::group`] compiled for `isa`.
-    ///
-    /// # Safety
-    /// As [`Self::group`], and the CPU runs `isa`.
-    unsafe fn group_on(
-        &self,
-        isa: Isa,
-        x: &[f32],
-        m: usize,
-        orows: std::ops::Range<usize>,
-        out: &OutPtr,
-    ) {
-        // SAFETY: the caller's contract; each variant is entered only for its own `isa`.
-        unsafe {
-            match isa {
-                Isa::Portable => self.group::<portable::Kernel>(x, m, orows, out),
-                #[cfg(target_arch = "x86_64")]
-                Isa::Avx2 => self.group_avx2(x, m, orows, out),
-                #[cfg(target_arch = "x86_64")]
-                Isa::Avx512 => self.group_avx512(x, m, orows, out),
-                #[cfg(not(target_arch = "x86_64"))]
-                _ => unreachable!("{} is never supported off x86-64", isa.name()),
-            }
-        }
     }
 
     /// # Safety
     /// As [`Self::group`], and the CPU has AVX2, FMA and F16C.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn group_avx2(&self, x: &[f32], m: usize, orows: std::ops::Range<usize>, out: &OutPtr) {
+    unsafe fn group_avx2<X: TileInput, K: TileKernel<X>>(
+        &self,
+        x: X,
+        m: usize,
+        orows: std::ops::Range<usize>,
+        out: &OutPtr,
+    ) {
         // SAFETY: the caller's contract.
-        unsafe { self.group::<avx2::Kernel>(x, m, orows, out) }
+        unsafe { self.group::<X, K>(x, m, orows, out) }
     }
 
     /// # Safety
     /// As [`Self::group`], and the CPU has AVX-512 F/BW/VL/DQ, AVX2, FMA and F16C.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-    unsafe fn group_avx512(
+    unsafe fn group_avx512<X: TileInput, K: TileKernel<X>>(
         &self,
-        x: &[f32],
+        x: X,
         m: usize,
         orows: std::ops::Range<usize>,
         out: &OutPtr,
     ) {
         // SAFETY: the caller's contract.
-        unsafe { self.group::<avx512::Kernel>(x, m, orows, out) }
+        unsafe { self.group::<X, K>(x, m, orows, out) }
     }
 
     /// Columns `orows` of every output row, with the tile kernel `K` (inlined into each
@@ -164,9 +167,9 @@ impl Q4_1Matrix {
     /// `out` points at `m * self.rows` f32 that nobody else reads or writes in columns `orows`
     /// while this runs; the CPU runs `K`'s instruction set.
     #[inline(always)]
-    unsafe fn group<K: TileKernel>(
+    unsafe fn group<X: TileInput, K: TileKernel<X>>(
         &self,
-        x: &[f32],
+        x: X,
         m: usize,
         orows: std::ops::Range<usize>,
         out: &OutPtr,
@@ -175,16 +178,16 @@ impl Q4_1Matrix {
         let mut r0 = 0;
         while r0 < m {
             let mt = (m - r0).min(K::INPUT_ROWS);
-            let xt = &x[r0 * k..(r0 + mt) * k];
+            let xt = x.rows(r0, mt, k);
             let mut o = orows.start;
             while o < orows.end {
                 let mut sums = [[0f32; 4]; MT];
                 let nr = K::weight_rows(mt, orows.end - o);
                 // SAFETY (the three calls): the CPU runs `K` (the caller's contract).
                 match nr {
-                    1 => unsafe { tile_dispatch::<1, K>(self, o, xt, mt, &mut sums) },
-                    2 => unsafe { tile_dispatch::<2, K>(self, o, xt, mt, &mut sums) },
-                    _ => unsafe { tile_dispatch::<4, K>(self, o, xt, mt, &mut sums) },
+                    1 => unsafe { tile_dispatch::<1, X, K>(self, o, xt, mt, &mut sums) },
+                    2 => unsafe { tile_dispatch::<2, X, K>(self, o, xt, mt, &mut sums) },
+                    _ => unsafe { tile_dispatch::<4, X, K>(self, o, xt, mt, &mut sums) },
                 }
                 for (r, s) in sums.iter().enumerate().take(mt) {
                     for (j, &v) in s.iter().enumerate().take(nr) {
@@ -217,7 +220,7 @@ fn scale_min(blk: &[u8]) -> (f32, f32) {
 /// One instruction set's tile: weight rows `rows` against the `M` input rows of `xt`
 /// (`sums[r][j] = x_r · w_j`), with exactly `portable::tile`'s arithmetic. Tile shapes only
 /// decide which outputs share a pass (module invariant), so each kernel picks its own.
-trait TileKernel {
+trait TileKernel<X> {
     /// Input rows per pass over a group's weights (at most [`MT`]).
     const INPUT_ROWS: usize = MT;
 
@@ -236,9 +239,42 @@ trait TileKernel {
     /// The CPU runs the kernel's instruction set.
     unsafe fn tile<const NR: usize, const M: usize>(
         rows: [&[u8]; NR],
-        xt: &[f32],
+        xt: X,
         sums: &mut [[f32; 4]; MT],
     );
+}
+
+/// Input rows as a tile kernel reads them: f32 rows (`&[f32]`) or rows quantized to 8 bits
+/// ([`int8::Q8View`]). Copied into every work item.
+trait TileInput: Copy + Send + Sync {
+    /// Rows `r0..r0 + mt` of rows `k` values long.
+    fn rows(self, r0: usize, mt: usize, k: usize) -> Self;
+}
+
+impl TileInput for &[f32] {
+    fn rows(self, r0: usize, mt: usize, k: usize) -> Self {
+        &self[r0 * k..(r0 + mt) * k]
+    }
+}
+
+/// The tile kernels of one input kind, one per instruction set.
+trait KernelSet<X> {
+    type Portable: TileKernel<X>;
+    #[cfg(target_arch = "x86_64")]
+    type Avx2: TileKernel<X>;
+    #[cfg(target_arch = "x86_64")]
+    type Avx512: TileKernel<X>;
+}
+
+/// The f32-input kernels.
+struct F32Kernels;
+
+impl KernelSet<&[f32]> for F32Kernels {
+    type Portable = portable::Kernel;
+    #[cfg(target_arch = "x86_64")]
+    type Avx2 = avx2::Kernel;
+    #[cfg(target_arch = "x86_64")]
+    type Avx512 = avx512::Kernel;
 }
 
 /// Weight rows `o..o + NR` against the `mt` rows of `xt`: `sums[r][j] = x_r · w_{o+j}`.
@@ -246,10 +282,10 @@ trait TileKernel {
 /// # Safety
 /// The CPU runs `K`'s instruction set.
 #[inline(always)]
-unsafe fn tile_dispatch<const NR: usize, K: TileKernel>(
+unsafe fn tile_dispatch<const NR: usize, X: TileInput, K: TileKernel<X>>(
     w: &Q4_1Matrix,
     o: usize,
-    xt: &[f32],
+    xt: X,
     mt: usize,
     sums: &mut [[f32; 4]; MT],
 ) {
@@ -292,7 +328,7 @@ mod portable {
     pub(super) const HARDWARE_FMA: bool =
         cfg!(any(target_feature = "fma", not(target_arch = "x86_64")));
 
-    impl TileKernel for Kernel {
+    impl TileKernel<&[f32]> for Kernel {
         #[inline(always)]
         unsafe fn tile<const NR: usize, const M: usize>(
             rows: [&[u8]; NR],
@@ -370,7 +406,7 @@ mod avx512 {
 
     pub(super) struct Kernel;
 
-    impl TileKernel for Kernel {
+    impl TileKernel<&[f32]> for Kernel {
         #[inline(always)]
         unsafe fn tile<const NR: usize, const M: usize>(
             rows: [&[u8]; NR],
@@ -460,7 +496,7 @@ mod avx2 {
 
     pub(super) struct Kernel;
 
-    impl TileKernel for Kernel {
+    impl TileKernel<&[f32]> for Kernel {
         const INPUT_ROWS: usize = 4;
 
         #[inline(always)]
@@ -561,7 +597,7 @@ mod tests {
     }
 
     /// Random Q4_1 blocks: random nibbles, scales in (0, 0.05], minimums in [-0.4, 0.4].
-    fn random_matrix(rows: usize, cols: usize, seed: u64) -> Q4_1Matrix {
+    pub(super) fn random_matrix(rows: usize, cols: usize, seed: u64) -> Q4_1Matrix {
         let mut rng = Rng(seed);
         let mut bytes = Vec::with_capacity(rows * cols / QK * BLOCK_BYTES);
         for _ in 0..rows * cols / QK {
@@ -574,7 +610,7 @@ mod tests {
         Q4_1Matrix::new(rows, cols, bytes).unwrap()
     }
 
-    fn random_input(m: usize, k: usize, seed: u64) -> Vec<f32> {
+    pub(super) fn random_input(m: usize, k: usize, seed: u64) -> Vec<f32> {
         let mut rng = Rng(seed);
         (0..m * k).map(|_| rng.f()).collect()
     }

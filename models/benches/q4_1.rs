@@ -1,0 +1,68 @@
+//! The Q4_1 matmul kernels against a memcpy of the same weight bytes, in one run (the machine
+//! is noisy: compare the ratio): SmolLM2-135M's MLP shapes at batch 1 and 16, f32 inputs
+//! (`--dtype native`) and inputs quantized to 8 bits (`--dtype native-i8`, quantization
+//! included), each instruction-set variant this CPU runs.
+//!
+//! ```text
+//! RAYON_NUM_THREADS=2 cargo bench -p tandem-models --bench q4_1
+//! ```
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use std::hint::black_box;
+use tandem_models::cpu::Isa;
+use tandem_models::q4_1::{Q4_1Matrix, Q8Rows};
+
+/// A `[rows, cols]` matrix of pseudo-random blocks (scales ~0.02, minimums ~-0.1).
+fn matrix(rows: usize, cols: usize) -> Q4_1Matrix {
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut bytes = Vec::with_capacity(rows * cols / 32 * 20);
+    for _ in 0..rows * cols / 32 {
+        bytes.extend(half::f16::from_f32(0.02).to_le_bytes());
+        bytes.extend(half::f16::from_f32(-0.1).to_le_bytes());
+        for _ in 0..16 {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            bytes.push(state as u8);
+        }
+    }
+    Q4_1Matrix::new(rows, cols, bytes).expect("matrix")
+}
+
+fn bench(c: &mut Criterion) {
+    // up/gate (576 -> 1536) and down (1536 -> 576), all 30 layers' worth of rows at once so the
+    // weights (~50 MB) stream from memory as in a decode step
+    for (name, rows, cols) in [("up", 1536 * 30, 576), ("down", 576 * 30, 1536)] {
+        let w = matrix(rows, cols);
+        let mut g = c.benchmark_group(format!("q4_1_{name}"));
+        g.sample_size(10);
+        g.throughput(Throughput::Bytes(w.size_in_bytes() as u64));
+        let src = vec![1u8; w.size_in_bytes()];
+        let mut dst = vec![0u8; w.size_in_bytes()];
+        g.bench_function("memcpy", |b| {
+            b.iter(|| {
+                dst.copy_from_slice(&src);
+                black_box(&mut dst);
+            })
+        });
+        for m in [1usize, 16] {
+            let x: Vec<f32> = (0..m * cols).map(|i| (i as f32 * 0.37).sin()).collect();
+            for isa in Isa::runnable() {
+                g.bench_with_input(
+                    BenchmarkId::new(format!("f32@{}", isa.name()), m),
+                    &x,
+                    |b, x| b.iter(|| black_box(w.matmul_on(isa, x, m))),
+                );
+                g.bench_with_input(
+                    BenchmarkId::new(format!("i8@{}", isa.name()), m),
+                    &x,
+                    |b, x| b.iter(|| black_box(w.matmul_q8_on(isa, &Q8Rows::quantize(x, cols)))),
+                );
+            }
+        }
+        g.finish();
+    }
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);

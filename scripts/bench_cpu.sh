@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # CPU forward side by side with llama.cpp, in one run: Tandem's `bench_model` example on the
-# default model's Q4_1 GGUF (`native`: our Q4_1 kernel in each instruction-set variant this CPU
-# runs; `q8_0`: the default weight mode) and llama.cpp through llama-cpp-python on the same file,
+# default model's Q4_1 GGUF (`native` / `native-i8`: our Q4_1 kernel with f32 / 8-bit inputs in
+# each instruction-set variant this CPU runs; `q8_0`: the default weight mode) and llama.cpp through llama-cpp-python on the same file,
 # prompt (200 tokens) and decode steps, 2 threads each, ROUNDS rounds interleaved (the machine is
 # noisy: compare within a round).
 #
@@ -28,9 +28,9 @@ flags = open("/proc/cpuinfo").read()
 have = lambda *f: all(re.search(rf"\b{x}\b", flags) for x in f)
 v = []
 if have("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"):
-    v.append("native@avx512")
+    v += ["native@avx512", "native-i8@avx512"]
 if have("avx2", "fma", "f16c"):
-    v.append("native@avx2")
+    v += ["native@avx2", "native-i8@avx2"]
 print(",".join(v + ["q8_0"]))
 PY
 )
@@ -39,7 +39,7 @@ echo "CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); flags:"
 for r in $(seq 1 "$rounds"); do
     echo "== round $r"
     RAYON_NUM_THREADS=2 target/release/examples/bench_model smollm2-135m "$variants" "$steps" |
-        grep -E '^\| (weights|[a-z0-9_]+@)'
+        grep -E '^\| (weights|[a-z0-9_-]+@)'
     echo "| llama.cpp | prefill tok/s | decode tok/s (b=1) | step b=1 ms |"
     PYTHONPATH=$lcp python3 scripts/llama_cpp_bench.py "$model" "$steps" 2
 done

@@ -10,7 +10,7 @@
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use std::hint::black_box;
 use tandem_models::cpu::Isa;
-use tandem_models::q4_1::{Q4_1Matrix, Q8Rows};
+use tandem_models::quant::{Q4_1Matrix, Q8Rows};
 
 /// A `[rows, cols]` matrix of pseudo-random blocks (scales ~0.02, minimums ~-0.1).
 fn matrix(rows: usize, cols: usize) -> Q4_1Matrix {

@@ -30,7 +30,7 @@ pub mod llama;
 pub mod loader;
 pub mod model;
 pub mod ops;
-pub mod q4_1;
+pub mod quant;
 pub mod tokenizer;
 pub mod weights;
 

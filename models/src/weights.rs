@@ -50,7 +50,7 @@ use candle_core::{Device, Module, Tensor};
 
 use crate::error::ModelError;
 use crate::ops::{rotate_blocks, unrotate_blocks, HADAMARD_BLOCK};
-use crate::q4_1::{Q4_1Matrix, Q8Rows};
+use crate::quant::{Q4_1Matrix, Q8Rows, Q8_0Matrix};
 
 /// How weights are held in memory. See the module docs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -319,6 +319,15 @@ impl HostMatrix {
                 w: Arc::new(Q4_1Matrix::new(rows, cols, bytes)?),
                 i8_inputs,
             },
+            // With 8-bit inputs, Q8_0 matrices stay as stored: our integer kernel needs no
+            // padding (and 8-bit inputs per 32 values do not need the rotation's help).
+            (
+                WeightMode::Native,
+                MatData::Quant {
+                    dtype: GgmlDType::Q8_0,
+                    bytes,
+                },
+            ) if i8_inputs => Weight::Q8_0(Arc::new(Q8_0Matrix::new(rows, cols, bytes)?)),
             // Q8_0 matrices of a native file (SmolLM2's tied embedding / lm_head) take the Q8_0
             // mode's padded, rotated form: as stored (576 wide) candle runs them untiled.
             (WeightMode::Q8_0, data)
@@ -402,6 +411,9 @@ enum Weight {
     /// `[out, in]` Q4_1 as stored, multiplied by our batched kernel ([`Q4_1Matrix`]) with f32
     /// inputs or, `i8_inputs`, inputs quantized to 8 bits ([`Q8Rows`]).
     Q4_1 { w: Arc<Q4_1Matrix>, i8_inputs: bool },
+    /// `[out, in]` Q8_0 as stored, multiplied by our integer kernel with inputs quantized to 8
+    /// bits (`NativeI8`).
+    Q8_0(Arc<Q8_0Matrix>),
 }
 
 /// `y = x Wᵀ` for a weight `W` of `[out_dim, in_dim]`.
@@ -416,7 +428,7 @@ impl Linear {
     /// The width the weight is stored with (`in_dim` or padded).
     fn stored_in_dim(&self) -> usize {
         match &self.weight {
-            Weight::F32(_) | Weight::Q4_1 { .. } => self.in_dim,
+            Weight::F32(_) | Weight::Q4_1 { .. } | Weight::Q8_0(_) => self.in_dim,
             Weight::Quant { q, .. } => q.shape().dims()[1],
         }
     }
@@ -427,6 +439,7 @@ impl Linear {
             Weight::F32(t) => t.elem_count() * 4,
             Weight::Quant { q, .. } => q.storage_size_in_bytes(),
             Weight::Q4_1 { w, .. } => w.size_in_bytes(),
+            Weight::Q8_0(w) => w.size_in_bytes(),
         }
     }
 
@@ -442,6 +455,9 @@ impl Linear {
             } else {
                 w.matmul(x, m)
             });
+        }
+        if let Weight::Q8_0(w) = &self.weight {
+            return Ok(w.matmul_q8(&Q8Rows::quantize(x, self.in_dim)));
         }
         let k = self.stored_in_dim();
         let mut input = if k == self.in_dim {
@@ -462,7 +478,7 @@ impl Linear {
                 let xt = Tensor::from_vec(input, (m, k), &Device::Cpu)?;
                 QMatMul::QTensor(q.clone()).forward(&xt)?
             }
-            Weight::Q4_1 { .. } => unreachable!("returned above"),
+            Weight::Q4_1 { .. } | Weight::Q8_0(_) => unreachable!("returned above"),
         };
         Ok(y.flatten_all()?.to_vec1()?)
     }
@@ -481,6 +497,7 @@ impl Linear {
             Weight::F32(w) => (w.index_select(&idx, 0)?, false),
             Weight::Quant { q, rotated } => (q.embedding(&idx)?, *rotated),
             Weight::Q4_1 { w, .. } => return Ok(w.dequantize_rows(ids)),
+            Weight::Q8_0(w) => return Ok(w.dequantize_rows(ids)),
         };
         let k = self.stored_in_dim();
         let mut v: Vec<f32> = rows.flatten_all()?.to_vec1()?;

@@ -135,8 +135,9 @@ pub fn build_instance(
     })?;
     let weights = match args.dtype.as_str() {
         "auto" => WeightMode::default(),
-        other => WeightMode::parse(other)
-            .with_context(|| format!("--dtype `{other}`: expected auto, f32, q8_0, native or native-i8"))?,
+        other => WeightMode::parse(other).with_context(|| {
+            format!("--dtype `{other}`: expected auto, f32, q8_0, native or native-i8")
+        })?,
     };
     if args.block_size == 0 || args.block_size > 1024 {
         bail!(

@@ -23,7 +23,7 @@ use super::{KernelSet, TileInput, TileKernel, BLOCK_BYTES, MT, QK};
 /// `m` rows of `k` values quantized to 8 bits per block of 32 (module docs).
 #[derive(Debug, Clone)]
 pub struct Q8Rows {
-    k: usize,
+    pub(super) k: usize,
     qs: Vec<i8>,
     d: Vec<f32>,
     s: Vec<f32>,
@@ -62,7 +62,7 @@ impl Q8Rows {
         self.qs.is_empty()
     }
 
-    fn view(&self) -> Q8View<'_> {
+    pub(super) fn view(&self) -> Q8View<'_> {
         Q8View {
             qs: &self.qs,
             d: &self.d,
@@ -93,9 +93,9 @@ fn quantize_block(x: &[f32], q: &mut [i8]) -> (f32, f32) {
 /// Rows of a [`Q8Rows`] as a tile kernel reads them.
 #[derive(Clone, Copy)]
 pub(super) struct Q8View<'a> {
-    qs: &'a [i8],
-    d: &'a [f32],
-    s: &'a [f32],
+    pub(super) qs: &'a [i8],
+    pub(super) d: &'a [f32],
+    pub(super) s: &'a [f32],
 }
 
 impl TileInput for Q8View<'_> {
@@ -113,7 +113,7 @@ impl super::Q4_1Matrix {
     /// `y = x Wᵀ` for the quantized rows `x`, with the variant of `isa` (which the CPU must run).
     pub fn matmul_q8_on(&self, isa: crate::cpu::Isa, x: &Q8Rows) -> Vec<f32> {
         assert_eq!(x.k, self.cols, "Q4_1 matmul input width");
-        self.run::<Q8View<'_>, Int8Kernels>(isa, x.view(), x.len())
+        super::run::<Self, Q8View<'_>, Int8Kernels>(self, isa, x.view(), x.len())
     }
 
     /// [`Self::matmul_q8_on`] with [`crate::cpu::Isa::active`].
@@ -135,7 +135,7 @@ impl KernelSet<Q8View<'_>> for Int8Kernels {
 
 /// Tile shape of both variants: up to 4 input rows; 4 weight rows for one or two input rows
 /// (batch-1 decode reads four weight rows per pass), 2 for more (at most 8 accumulators).
-fn weight_rows(mt: usize, left: usize) -> usize {
+pub(super) fn weight_rows(mt: usize, left: usize) -> usize {
     match (mt, left) {
         (_, 1) => 1,
         (1 | 2, 4..) => 4,
@@ -145,7 +145,10 @@ fn weight_rows(mt: usize, left: usize) -> usize {
 
 /// Checks a tile's arguments once for both variants: `NR` weight rows of `nb` whole blocks,
 /// `M` input rows of `nb` blocks. Returns `(k, nb)`.
-fn tile_shape<const NR: usize, const M: usize>(rows: &[&[u8]; NR], xt: &Q8View<'_>) -> (usize, usize) {
+fn tile_shape<const NR: usize, const M: usize>(
+    rows: &[&[u8]; NR],
+    xt: &Q8View<'_>,
+) -> (usize, usize) {
     let k = xt.qs.len() / M;
     let nb = k / QK;
     assert!(M <= 4 && NR <= 4 && xt.qs.len() == M * k && k.is_multiple_of(QK));
@@ -171,7 +174,7 @@ fn min_term<const FUSED: bool>(row: &[u8], xt: &Q8View<'_>, r: usize, nb: usize)
 /// `a * b + c`, rounded once when `FUSED` (the portable variant fuses only where the target has
 /// FMA instructions, as the f32 kernel's: libm's exact `fmaf` costs ~100x).
 #[inline(always)]
-fn madd<const FUSED: bool>(a: f32, b: f32, c: f32) -> f32 {
+pub(super) fn madd<const FUSED: bool>(a: f32, b: f32, c: f32) -> f32 {
     if FUSED {
         a.mul_add(b, c)
     } else {
@@ -182,10 +185,10 @@ fn madd<const FUSED: bool>(a: f32, b: f32, c: f32) -> f32 {
 /// The reference in plain Rust (module docs).
 mod portable {
     use super::{madd, min_term, tile_shape, Q8View, TileKernel, BLOCK_BYTES, MT, QK};
-    use crate::q4_1::portable::HARDWARE_FMA;
-    use crate::q4_1::scale_min;
+    use crate::quant::portable::HARDWARE_FMA;
+    use crate::quant::scale_min;
 
-    pub(in crate::q4_1) struct Kernel;
+    pub(in crate::quant) struct Kernel;
 
     impl TileKernel<Q8View<'_>> for Kernel {
         const INPUT_ROWS: usize = 4;
@@ -207,7 +210,7 @@ mod portable {
 
     /// The reference: every multiply-add fused.
     #[cfg(test)]
-    pub(in crate::q4_1) fn tile<const NR: usize, const M: usize>(
+    pub(in crate::quant) fn tile<const NR: usize, const M: usize>(
         rows: [&[u8]; NR],
         xt: Q8View<'_>,
         sums: &mut [[f32; 4]; MT],
@@ -258,7 +261,6 @@ mod portable {
             }
         }
     }
-
 }
 
 /// AVX2 form of `portable::tile` (module docs).
@@ -268,7 +270,7 @@ mod avx2 {
 
     use super::{tile_shape, Q8View, TileKernel, BLOCK_BYTES, MT, QK};
 
-    pub(in crate::q4_1) struct Kernel;
+    pub(in crate::quant) struct Kernel;
 
     impl TileKernel<Q8View<'_>> for Kernel {
         const INPUT_ROWS: usize = 4;
@@ -355,7 +357,8 @@ mod avx2 {
 mod tests {
     use super::*;
     use crate::cpu::Isa;
-    use crate::q4_1::tests::{random_input, random_matrix};
+    use crate::quant::tests::{random_input, random_matrix};
+    use crate::quant::BlockRows;
 
     #[test]
     fn quantized_blocks_round_to_the_nearest_step() {
@@ -371,8 +374,15 @@ mod tests {
                 let qi = i32::from(q.qs[b * 32 + i]);
                 assert!(qi.abs() <= 127);
                 // within half a step of the value
-                assert!((qi as f32 * q.d[b] - xb[i]).abs() <= q.d[b] * 0.5001, "{b} {i}");
-                assert_eq!(qi as f32, (xb[i] * (1.0 / q.d[b])).round_ties_even(), "{b} {i}");
+                assert!(
+                    (qi as f32 * q.d[b] - xb[i]).abs() <= q.d[b] * 0.5001,
+                    "{b} {i}"
+                );
+                assert_eq!(
+                    qi as f32,
+                    (xb[i] * (1.0 / q.d[b])).round_ties_even(),
+                    "{b} {i}"
+                );
                 sum += qi;
             }
             assert_eq!(q.s[b], q.d[b] * sum as f32);
@@ -385,13 +395,12 @@ mod tests {
 
     /// f64 dot of the dequantized weights with the dequantized activations: what the kernel
     /// computes up to f32 rounding.
-    fn naive(w: &crate::q4_1::Q4_1Matrix, x: &Q8Rows) -> Vec<f64> {
-        let xf: Vec<f32> = x
-            .qs
-            .iter()
-            .enumerate()
-            .map(|(i, &q)| f32::from(q) * x.d[i / QK])
-            .collect();
+    fn naive(w: &crate::quant::Q4_1Matrix, x: &Q8Rows) -> Vec<f64> {
+        let xf: Vec<f32> =
+            x.qs.iter()
+                .enumerate()
+                .map(|(i, &q)| f32::from(q) * x.d[i / QK])
+                .collect();
         let wf = w.dequantize_rows(&(0..w.rows as u32).collect::<Vec<_>>());
         let (k, m) = (x.k, x.len());
         let mut y = vec![0f64; m * w.rows];
@@ -419,11 +428,17 @@ mod tests {
                     let got = w.matmul_q8_on(isa, &xq);
                     for (i, (&g, &e)) in got.iter().zip(&want).enumerate() {
                         let err = (f64::from(g) - e).abs() / e.abs().max(scale);
-                        assert!(err < 1e-4, "{isa:?} [{rows}, {cols}] m={m} #{i}: {g} vs {e}");
+                        assert!(
+                            err < 1e-4,
+                            "{isa:?} [{rows}, {cols}] m={m} #{i}: {g} vs {e}"
+                        );
                         // and close to the unquantized product (8-bit activations)
                         let full = f64::from(f32_kernel[i]);
                         let err = (f64::from(g) - full).abs() / full.abs().max(scale);
-                        assert!(err < 2e-2, "{isa:?} [{rows}, {cols}] m={m} #{i}: {g} vs {full}");
+                        assert!(
+                            err < 2e-2,
+                            "{isa:?} [{rows}, {cols}] m={m} #{i}: {g} vs {full}"
+                        );
                     }
                 }
             }
@@ -435,7 +450,7 @@ mod tests {
         // the portable variant is the reference only where the target has FMA (module docs)
         let runnable: Vec<Isa> = Isa::runnable()
             .into_iter()
-            .filter(|&i| i != Isa::Portable || crate::q4_1::portable::HARDWARE_FMA)
+            .filter(|&i| i != Isa::Portable || crate::quant::portable::HARDWARE_FMA)
             .collect();
         eprintln!("variants run: {runnable:?}");
         for (rows, cols) in [(11, 160), (75, 576), (4, 32), (130, 1536)] {
@@ -457,7 +472,11 @@ mod tests {
                     let xm = Q8Rows::quantize(&x[..m * cols], cols);
                     let got = w.matmul_q8_on(isa, &xm);
                     for (i, (g, e)) in got.iter().zip(&want).enumerate() {
-                        assert_eq!(g.to_bits(), e.to_bits(), "{isa:?} [{rows}, {cols}] m={m} #{i}");
+                        assert_eq!(
+                            g.to_bits(),
+                            e.to_bits(),
+                            "{isa:?} [{rows}, {cols}] m={m} #{i}"
+                        );
                     }
                 }
             }

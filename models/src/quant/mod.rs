@@ -28,7 +28,9 @@ use crate::cpu::Isa;
 use crate::error::ModelError;
 
 mod int8;
+mod q8_0;
 pub use int8::Q8Rows;
+pub use q8_0::Q8_0Matrix;
 
 /// Values per block.
 const QK: usize = 32;
@@ -63,11 +65,6 @@ impl Q4_1Matrix {
         self.bytes.len()
     }
 
-    fn row(&self, r: usize) -> &[u8] {
-        let rb = self.cols / QK * BLOCK_BYTES;
-        &self.bytes[r * rb..(r + 1) * rb]
-    }
-
     /// Rows `ids` as f32 (`[ids.len(), cols]`); every id must be `< rows`.
     pub fn dequantize_rows(&self, ids: &[u32]) -> Vec<f32> {
         let mut out = Vec::with_capacity(ids.len() * self.cols);
@@ -92,114 +89,135 @@ impl Q4_1Matrix {
     /// (a variant it cannot run panics instead of executing unknown instructions).
     pub fn matmul_on(&self, isa: Isa, x: &[f32], m: usize) -> Vec<f32> {
         assert_eq!(x.len(), m * self.cols, "Q4_1 matmul input size");
-        self.run::<&[f32], F32Kernels>(isa, x, m)
+        run::<Self, &[f32], F32Kernels>(self, isa, x, m)
     }
+}
 
-    /// `y = x Wᵀ` over `m` input rows with the tile kernels `S` of `isa`: work is split into
-    /// groups of [`GROUP`] output rows on candle's thread pool.
-    fn run<X: TileInput, S: KernelSet<X>>(&self, isa: Isa, x: X, m: usize) -> Vec<f32> {
-        assert!(
-            isa.supported(),
-            "{} kernels on a CPU without them",
-            isa.name()
-        );
-        let n = self.rows;
-        let mut y = vec![0f32; m * n];
-        let out = OutPtr(y.as_mut_ptr());
-        let items = n.div_ceil(GROUP);
-        candle_core::utils::barrier_pool().execute_chunked(items, |range| {
-            for g in range {
-                let rows = g * GROUP..((g + 1) * GROUP).min(n);
-                // SAFETY: item `g` writes only columns `rows` of `y` (m rows of n), and items
-                // partition the columns; `y` outlives `execute_chunked`, which returns after
-                // every item ran. Each variant is entered only for its own `isa`, which the
-                // CPU runs (asserted above).
-                unsafe {
-                    match isa {
-                        Isa::Portable => self.group::<X, S::Portable>(x, m, rows, &out),
-                        #[cfg(target_arch = "x86_64")]
-                        Isa::Avx2 => self.group_avx2::<X, S::Avx2>(x, m, rows, &out),
-                        #[cfg(target_arch = "x86_64")]
-                        Isa::Avx512 => self.group_avx512::<X, S::Avx512>(x, m, rows, &out),
-                        #[cfg(not(target_arch = "x86_64"))]
-                        _ => unreachable!("{} is never supported off x86-64", isa.name()),
-                    }
+/// `y = x Wᵀ` over `m` input rows with the tile kernels `S` of `isa`: work is split into
+/// groups of [`GROUP`] output rows on candle's thread pool.
+fn run<W: BlockRows, X: TileInput, S: KernelSet<X>>(w: &W, isa: Isa, x: X, m: usize) -> Vec<f32> {
+    assert!(
+        isa.supported(),
+        "{} kernels on a CPU without them",
+        isa.name()
+    );
+    let n = w.rows();
+    let mut y = vec![0f32; m * n];
+    let out = OutPtr(y.as_mut_ptr());
+    let items = n.div_ceil(GROUP);
+    candle_core::utils::barrier_pool().execute_chunked(items, |range| {
+        for g in range {
+            let rows = g * GROUP..((g + 1) * GROUP).min(n);
+            // SAFETY: item `g` writes only columns `rows` of `y` (m rows of n), and items
+            // partition the columns; `y` outlives `execute_chunked`, which returns after
+            // every item ran. Each variant is entered only for its own `isa`, which the
+            // CPU runs (asserted above).
+            unsafe {
+                match isa {
+                    Isa::Portable => group::<W, X, S::Portable>(w, x, m, rows, &out),
+                    #[cfg(target_arch = "x86_64")]
+                    Isa::Avx2 => group_avx2::<W, X, S::Avx2>(w, x, m, rows, &out),
+                    #[cfg(target_arch = "x86_64")]
+                    Isa::Avx512 => group_avx512::<W, X, S::Avx512>(w, x, m, rows, &out),
+                    #[cfg(not(target_arch = "x86_64"))]
+                    _ => unreachable!("{} is never supported off x86-64", isa.name()),
                 }
             }
-        });
-        y
-    }
-
-    /// # Safety
-    /// As [`Self::group`], and the CPU has AVX2, FMA and F16C.
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn group_avx2<X: TileInput, K: TileKernel<X>>(
-        &self,
-        x: X,
-        m: usize,
-        orows: std::ops::Range<usize>,
-        out: &OutPtr,
-    ) {
-        // SAFETY: the caller's contract.
-        unsafe { self.group::<X, K>(x, m, orows, out) }
-    }
-
-    /// # Safety
-    /// As [`Self::group`], and the CPU has AVX-512 F/BW/VL/DQ, AVX2, FMA and F16C.
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-    unsafe fn group_avx512<X: TileInput, K: TileKernel<X>>(
-        &self,
-        x: X,
-        m: usize,
-        orows: std::ops::Range<usize>,
-        out: &OutPtr,
-    ) {
-        // SAFETY: the caller's contract.
-        unsafe { self.group::<X, K>(x, m, orows, out) }
-    }
-
-    /// Columns `orows` of every output row, with the tile kernel `K` (inlined into each
-    /// variant's entry point, so the code around the kernel is compiled for its ISA too).
-    ///
-    /// # Safety
-    /// `out` points at `m * self.rows` f32 that nobody else reads or writes in columns `orows`
-    /// while this runs; the CPU runs `K`'s instruction set.
-    #[inline(always)]
-    unsafe fn group<X: TileInput, K: TileKernel<X>>(
-        &self,
-        x: X,
-        m: usize,
-        orows: std::ops::Range<usize>,
-        out: &OutPtr,
-    ) {
-        let (k, n) = (self.cols, self.rows);
-        let mut r0 = 0;
-        while r0 < m {
-            let mt = (m - r0).min(K::INPUT_ROWS);
-            let xt = x.rows(r0, mt, k);
-            let mut o = orows.start;
-            while o < orows.end {
-                let mut sums = [[0f32; 4]; MT];
-                let nr = K::weight_rows(mt, orows.end - o);
-                // SAFETY (the three calls): the CPU runs `K` (the caller's contract).
-                match nr {
-                    1 => unsafe { tile_dispatch::<1, X, K>(self, o, xt, mt, &mut sums) },
-                    2 => unsafe { tile_dispatch::<2, X, K>(self, o, xt, mt, &mut sums) },
-                    _ => unsafe { tile_dispatch::<4, X, K>(self, o, xt, mt, &mut sums) },
-                }
-                for (r, s) in sums.iter().enumerate().take(mt) {
-                    for (j, &v) in s.iter().enumerate().take(nr) {
-                        // SAFETY: (r0 + r) < m and o + j < orows.end <= n: inside `out`, in
-                        // this group's columns (the caller's contract).
-                        unsafe { *out.0.add((r0 + r) * n + o + j) = v };
-                    }
-                }
-                o += nr;
-            }
-            r0 += mt;
         }
+    });
+    y
+}
+
+/// # Safety
+/// As [`group`], and the CPU has AVX2, FMA and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn group_avx2<W: BlockRows, X: TileInput, K: TileKernel<X>>(
+    w: &W,
+    x: X,
+    m: usize,
+    orows: std::ops::Range<usize>,
+    out: &OutPtr,
+) {
+    // SAFETY: the caller's contract.
+    unsafe { group::<W, X, K>(w, x, m, orows, out) }
+}
+
+/// # Safety
+/// As [`group`], and the CPU has AVX-512 F/BW/VL/DQ, AVX2, FMA and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn group_avx512<W: BlockRows, X: TileInput, K: TileKernel<X>>(
+    w: &W,
+    x: X,
+    m: usize,
+    orows: std::ops::Range<usize>,
+    out: &OutPtr,
+) {
+    // SAFETY: the caller's contract.
+    unsafe { group::<W, X, K>(w, x, m, orows, out) }
+}
+
+/// Columns `orows` of every output row, with the tile kernel `K` (inlined into each
+/// variant's entry point, so the code around the kernel is compiled for its ISA too).
+///
+/// # Safety
+/// `out` points at `m * self.rows` f32 that nobody else reads or writes in columns `orows`
+/// while this runs; the CPU runs `K`'s instruction set.
+#[inline(always)]
+unsafe fn group<W: BlockRows, X: TileInput, K: TileKernel<X>>(
+    w: &W,
+    x: X,
+    m: usize,
+    orows: std::ops::Range<usize>,
+    out: &OutPtr,
+) {
+    let (k, n) = (w.cols(), w.rows());
+    let mut r0 = 0;
+    while r0 < m {
+        let mt = (m - r0).min(K::INPUT_ROWS);
+        let xt = x.rows(r0, mt, k);
+        let mut o = orows.start;
+        while o < orows.end {
+            let mut sums = [[0f32; 4]; MT];
+            let nr = K::weight_rows(mt, orows.end - o);
+            // SAFETY (the three calls): the CPU runs `K` (the caller's contract).
+            match nr {
+                1 => unsafe { tile_dispatch::<1, W, X, K>(w, o, xt, mt, &mut sums) },
+                2 => unsafe { tile_dispatch::<2, W, X, K>(w, o, xt, mt, &mut sums) },
+                _ => unsafe { tile_dispatch::<4, W, X, K>(w, o, xt, mt, &mut sums) },
+            }
+            for (r, s) in sums.iter().enumerate().take(mt) {
+                for (j, &v) in s.iter().enumerate().take(nr) {
+                    // SAFETY: (r0 + r) < m and o + j < orows.end <= n: inside `out`, in
+                    // this group's columns (the caller's contract).
+                    unsafe { *out.0.add((r0 + r) * n + o + j) = v };
+                }
+            }
+            o += nr;
+        }
+        r0 += mt;
+    }
+}
+
+/// A matrix of quantized blocks, row after row, as the tile kernels read it.
+trait BlockRows: Sync {
+    fn rows(&self) -> usize;
+    fn cols(&self) -> usize;
+    /// The bytes of row `r` (`r < rows`).
+    fn row(&self, r: usize) -> &[u8];
+}
+
+impl BlockRows for Q4_1Matrix {
+    fn rows(&self) -> usize {
+        self.rows
+    }
+    fn cols(&self) -> usize {
+        self.cols
+    }
+    fn row(&self, r: usize) -> &[u8] {
+        let rb = self.cols / QK * BLOCK_BYTES;
+        &self.bytes[r * rb..(r + 1) * rb]
     }
 }
 
@@ -282,8 +300,8 @@ impl KernelSet<&[f32]> for F32Kernels {
 /// # Safety
 /// The CPU runs `K`'s instruction set.
 #[inline(always)]
-unsafe fn tile_dispatch<const NR: usize, X: TileInput, K: TileKernel<X>>(
-    w: &Q4_1Matrix,
+unsafe fn tile_dispatch<const NR: usize, W: BlockRows, X: TileInput, K: TileKernel<X>>(
+    w: &W,
     o: usize,
     xt: X,
     mt: usize,

@@ -218,6 +218,8 @@ mod portable {
         tile_with::<NR, M, true>(rows, xt, sums)
     }
 
+    // indexed as the module docs define the lanes
+    #[allow(clippy::needless_range_loop)]
     #[inline(always)]
     fn tile_with<const NR: usize, const M: usize, const FUSED: bool>(
         rows: [&[u8]; NR],
@@ -361,6 +363,7 @@ mod tests {
     use crate::quant::BlockRows;
 
     #[test]
+    #[allow(clippy::needless_range_loop)]
     fn quantized_blocks_round_to_the_nearest_step() {
         let x: Vec<f32> = (0..64).map(|i| (i as f32 - 20.5) * 0.37).collect();
         let q = Q8Rows::quantize(&x, 64);

@@ -145,6 +145,8 @@ mod portable {
         tile_with::<NR, M, true>(rows, xt, sums)
     }
 
+    // indexed as the module docs define the lanes
+    #[allow(clippy::needless_range_loop)]
     #[inline(always)]
     fn tile_with<const NR: usize, const M: usize, const FUSED: bool>(
         rows: [&[u8]; NR],

@@ -9,9 +9,12 @@
 //!   batch. The whole tile is compiled per instruction set (`crate::cpu`): the AVX-512 variant
 //!   scores 16 keys at a time with FMAs (its sums differ from the others' in the last bits);
 //!   the AVX2 and portable variants use the same portable dot, so they agree bit for bit.
-//! - Online softmax over one cache block at a time (running max and sum), so no buffer grows
-//!   with the context and no gather copy of the context is made. f32 caches are read in place;
-//!   f16/bf16 caches are decoded one block of one head at a time into a small scratch.
+//! - Online softmax over 16 cache positions at a time (running max and sum), so no buffer grows
+//!   with the context and no gather copy of the context is made. The 16 are fixed positions
+//!   (`16c..16c + 16`), not blocks: the block size never changes a bit of the output, so a P/D
+//!   consumer whose blocks differ from its producer's answers as a single instance does. f32
+//!   caches are read in place; f16/bf16 caches are decoded 16 rows of one head at a time into a
+//!   small scratch.
 //! - Work is split into (sequence, tile of queries) tasks, all heads inside (or, when there are
 //!   fewer than two tasks per thread, as in a batch-1 decode, a range of KV heads each), run in
 //!   parallel on candle's thread pool (the one its matmuls use: a second pool on the same cores only adds
@@ -191,6 +194,22 @@ pub(crate) fn paged_attention_on(
 /// SIMD width the kernels below are written for (one AVX-512 register of f32).
 const L: usize = 16;
 
+/// Keys per online-softmax step, at fixed cache positions (`16c..16c + 16`) whatever the block
+/// size: the running max and sum are rescaled at the same places for every block size, so a
+/// cache of 32-token blocks gives the bits a cache of 16-token blocks gives (a P/D consumer
+/// with another block size than its producer answers what a single instance answers).
+const CHUNK: usize = 16;
+
+/// Consecutive keys `j..j + nt` of one KV head: key `j + t`'s row is `k[t * stride..][..hd]`,
+/// its value row `v[t * stride..][..hd]`.
+struct Segment<'s> {
+    j: usize,
+    nt: usize,
+    k: &'s [f32],
+    v: &'s [f32],
+    stride: usize,
+}
+
 /// How a tile scores a query against a block's keys: `sc[t] = q · k_t` for the `nt` keys
 /// `k_t = kb[t * stride..][..q.len()]`.
 trait Scores {
@@ -354,8 +373,8 @@ fn accumulate_values(acc: &mut [f32], w: &[f32], vb: &[f32], stride: usize) {
 
 /// Attention of queries `r0..r0+n` of `seq`, all heads. Returns `[n, num_heads * head_dim]`.
 ///
-/// The cache is walked block by block; each block's rows of every KV head are used by that
-/// head's query vectors while they are hot, so the context is read from memory once.
+/// The cache is walked 16 positions at a time ([`CHUNK`]); their rows of every KV head are used
+/// by that head's query vectors while they are hot, so the context is read from memory once.
 ///
 /// # Safety
 /// The CPU runs `S`'s instruction set.
@@ -373,7 +392,6 @@ unsafe fn attend_tile<S: Scores>(
     let nk = heads.len();
     let layout = cache.view().layout;
     let bs = layout.block_size;
-    let kts = bs.div_ceil(L) * L; // row length of the scores buffer
     let first = seq.context_len - seq.query_len; // cache index of the sequence's first query
 
     // Scaled query vectors ordered [kv head g][query i][head h of the group], so that the
@@ -402,52 +420,81 @@ unsafe fn attend_tile<S: Scores>(
     let mut acc = vec![0f32; nq * hd];
     let mut max = vec![f32::NEG_INFINITY; nq];
     let mut sum = vec![0f32; nq];
-    // scores of the query vectors of one KV head for the keys of one block: [per_g, kts]
-    let mut scores = vec![0f32; per_g * kts];
+    // scores of the query vectors of one KV head for the keys of one chunk: [per_g, CHUNK]
+    let mut scores = vec![0f32; per_g * CHUNK];
     let bytes = matches!(cache, LayerCache::Bytes(_));
-    let mut k_scratch = vec![0f32; if bytes { bs * hd } else { 0 }];
+    let mut k_scratch = vec![0f32; if bytes { CHUNK * hd } else { 0 }];
     let mut v_scratch = k_scratch.clone();
+    let mut f32_segments: Vec<Segment> = Vec::with_capacity(CHUNK);
 
-    for b in t_lo / bs..t_hi.div_ceil(bs) {
-        let block = seq.block_table[b] as usize;
-        let (j0, j1) = (b * bs, ((b + 1) * bs).min(t_hi));
-        let nt = j1 - j0;
+    for c in t_lo / CHUNK..t_hi.div_ceil(CHUNK) {
+        // keys j0..j1 of this chunk that some query of the tile sees
+        let c0 = c * CHUNK;
+        let (j0, j1) = (c0.max(t_lo), (c0 + CHUNK).min(t_hi));
         for g in heads.clone() {
             let gl = g - heads.start;
-            // Rows of this block for head g, as f32 slices `stride` apart.
-            let (kb, vb, stride): (&[f32], &[f32], usize) = match cache {
-                LayerCache::F32(view) => {
-                    // Only this block is borrowed: the request owns it (others are written
-                    // meanwhile by loads and other requests' cache writes).
-                    let (k, v) = view
-                        .block_f32(block)
-                        .ok()
-                        .flatten()
-                        .expect("blocks were checked by paged_attention; the cache is f32");
-                    let start = (view.layout.row_offset(block, 0, g)
-                        - block * view.layout.block_bytes())
-                        / 4;
-                    let stride = row_stride_f32(view);
-                    let len = (nt - 1) * stride + hd;
-                    (&k[start..start + len], &v[start..start + len], stride)
-                }
-                LayerCache::Bytes(view) => {
-                    let dt: CacheDtype = view.layout.dtype;
-                    for t in 0..nt {
-                        let (kr, vr) = view.rows(block, t, g);
-                        dt.decode(kr, &mut k_scratch[t * hd..(t + 1) * hd]);
-                        dt.decode(vr, &mut v_scratch[t * hd..(t + 1) * hd]);
+            // The chunk's K and V rows of head g: one segment per block it overlaps (read in
+            // place from f32 blocks), or one segment decoded into the scratch.
+            f32_segments.clear();
+            for b in j0 / bs..j1.div_ceil(bs) {
+                let block = seq.block_table[b] as usize;
+                let (s0, s1) = ((b * bs).max(j0), ((b + 1) * bs).min(j1));
+                let nt = s1 - s0;
+                match cache {
+                    LayerCache::F32(view) => {
+                        // Only this block is borrowed: the request owns it (others are written
+                        // meanwhile by loads and other requests' cache writes).
+                        let (k, v) = view
+                            .block_f32(block)
+                            .ok()
+                            .flatten()
+                            .expect("blocks were checked by paged_attention; the cache is f32");
+                        let start = (view.layout.row_offset(block, s0 - b * bs, g)
+                            - block * view.layout.block_bytes())
+                            / 4;
+                        let stride = row_stride_f32(view);
+                        let len = (nt - 1) * stride + hd;
+                        f32_segments.push(Segment {
+                            j: s0,
+                            nt,
+                            k: &k[start..start + len],
+                            v: &v[start..start + len],
+                            stride,
+                        });
                     }
-                    (&k_scratch[..], &v_scratch[..], hd)
+                    LayerCache::Bytes(view) => {
+                        let dt: CacheDtype = view.layout.dtype;
+                        for j in s0..s1 {
+                            let (kr, vr) = view.rows(block, j - b * bs, g);
+                            let o = (j - j0) * hd;
+                            dt.decode(kr, &mut k_scratch[o..o + hd]);
+                            dt.decode(vr, &mut v_scratch[o..o + hd]);
+                        }
+                    }
                 }
+            }
+            let decoded;
+            let segments: &[Segment] = if bytes {
+                decoded = [Segment {
+                    j: j0,
+                    nt: j1 - j0,
+                    k: &k_scratch,
+                    v: &v_scratch,
+                    stride: hd,
+                }];
+                &decoded
+            } else {
+                &f32_segments
             };
             let qg = &qs[gl * per_g * hd..(gl + 1) * per_g * hd];
-            // Scores of the group's query vectors against all keys of the block (masking below).
-            // One kernel for every query, whatever the batch: the summation order, hence the
-            // result, does not depend on how many queries share the task.
-            for (qv, sc) in qg.chunks_exact(hd).zip(scores.chunks_exact_mut(kts)) {
-                // SAFETY: the caller's contract.
-                unsafe { S::scores(qv, kb, stride, nt, sc) };
+            // Scores of the group's query vectors against all keys of the chunk (masking below).
+            // One kernel for every query, whatever the batch, and each key's score on its own:
+            // neither the batch nor the block size changes a score.
+            for (qv, sc) in qg.chunks_exact(hd).zip(scores.chunks_exact_mut(CHUNK)) {
+                for seg in segments {
+                    // SAFETY: the caller's contract.
+                    unsafe { S::scores(qv, seg.k, seg.stride, seg.nt, &mut sc[seg.j - c0..]) };
+                }
             }
             // Online softmax update and weighted sum of V, per query vector.
             for i in 0..n {
@@ -458,17 +505,30 @@ unsafe fn attend_tile<S: Scores>(
                 for h in 0..group {
                     let li = i * group + h; // within the group's vectors
                     let qi = gl * per_g + li;
-                    let sc = &mut scores[li * kts + (a - j0)..li * kts + (z - j0)];
+                    let row = &mut scores[li * CHUNK..(li + 1) * CHUNK];
+                    let sc = &mut row[a - c0..z - c0];
                     let m_blk = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                     let acc_q = &mut acc[qi * hd..(qi + 1) * hd];
                     if m_blk > max[qi] {
-                        let c = exp_fast(max[qi] - m_blk); // 0 on the first block
+                        let c = exp_fast(max[qi] - m_blk); // 0 on the first chunk
                         sum[qi] *= c;
                         acc_q.iter_mut().for_each(|x| *x *= c);
                         max[qi] = m_blk;
                     }
                     sum[qi] += exp_sub_sum(sc, max[qi]);
-                    accumulate_values(acc_q, sc, &vb[(a - j0) * stride..], stride);
+                    // V rows in key order, segment by segment: each output element sees the
+                    // same sequence of multiply-adds whatever the segments are.
+                    for seg in segments {
+                        let (sa, sz) = (a.max(seg.j), z.min(seg.j + seg.nt));
+                        if sa < sz {
+                            accumulate_values(
+                                acc_q,
+                                &row[sa - c0..sz - c0],
+                                &seg.v[(sa - seg.j) * seg.stride..],
+                                seg.stride,
+                            );
+                        }
+                    }
                 }
             }
         }
@@ -812,6 +872,93 @@ mod tests {
         };
         let alone = paged_attention(&q[2 * 32..], &[b_alone], cache, &p).unwrap();
         assert_eq!(&both[2 * 32..], &alone[..]);
+    }
+
+    /// Attention of queries over one sequence's K/V held in a cache of `bs`-token blocks
+    /// (scrambled block ids), for the ISA `isa`.
+    #[allow(clippy::too_many_arguments)]
+    fn attend_with_block_size(
+        isa: Isa,
+        bs: usize,
+        dtype: CacheDtype,
+        kv: (&[f32], &[f32]),
+        q: &[f32],
+        (cached, new): (usize, usize),
+        p: &AttentionParams,
+    ) -> Vec<u32> {
+        let total = cached + new;
+        let nb = total.div_ceil(bs);
+        let num_blocks = nb + 3;
+        let storage = KvStorage::new(&KvCacheConfig {
+            num_blocks,
+            groups: vec![KvCacheGroup {
+                group_id: 0,
+                spec: KvCacheSpec::FullAttention {
+                    block_size: bs,
+                    num_kv_heads: p.num_kv_heads,
+                    head_dim: p.head_dim,
+                    dtype,
+                },
+                layer_names: vec!["layers.0".into()],
+            }],
+        })
+        .unwrap();
+        let table: Vec<u32> = (0..nb as u32).map(|i| (nb as u32 - 1 - i) + 2).collect();
+        let slots: Vec<usize> = (0..total)
+            .map(|j| table[j / bs] as usize * bs + j % bs)
+            .collect();
+        storage.write_slots(0, &slots, kv.0, kv.1).unwrap();
+        let seq = SeqBatch {
+            query_start: 0,
+            query_len: new,
+            context_len: total,
+            block_table: &table,
+        };
+        let cache = LayerCache::from_storage(&storage, 0).unwrap();
+        paged_attention_on(isa, q, &[seq], cache, p)
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits())
+            .collect()
+    }
+
+    #[test]
+    fn the_block_size_does_not_change_a_bit() {
+        // the softmax steps over fixed positions, so blocks of 1, 5, 16, 32 or 48 tokens give
+        // the same bits: prefills from scratch and over a cached prefix, decodes, a window
+        let (nh, nkv, hd) = (6, 2, 32);
+        let mut s = 31;
+        let total = 75;
+        let k: Vec<f32> = (0..total * nkv * hd).map(|_| lcg(&mut s) * 3.0).collect();
+        let v: Vec<f32> = (0..total * nkv * hd).map(|_| lcg(&mut s)).collect();
+        for (cached, new) in [(0, 75), (40, 35), (74, 1), (20, 1)] {
+            let kv = (&k[..(cached + new) * nkv * hd], &v[..(cached + new) * nkv * hd]);
+            let q: Vec<f32> = (0..new * nh * hd).map(|_| lcg(&mut s) * 3.0).collect();
+            for window in [None, Some(21)] {
+                let p = AttentionParams {
+                    num_heads: nh,
+                    num_kv_heads: nkv,
+                    head_dim: hd,
+                    scale: 1.0 / (hd as f32).sqrt(),
+                    window,
+                };
+                for isa in Isa::runnable() {
+                    for dtype in [CacheDtype::F32, CacheDtype::Bf16] {
+                        let run = |bs| {
+                            attend_with_block_size(isa, bs, dtype, kv, &q, (cached, new), &p)
+                        };
+                        let want = run(16);
+                        for bs in [1, 5, 32, 48] {
+                            assert!(
+                                run(bs) == want,
+                                "{isa:?} {dtype} blocks of {bs} vs 16: ({cached}, {new}) \
+                                 window {window:?}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
     }
 
     #[test]

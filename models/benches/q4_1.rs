@@ -1,7 +1,8 @@
 //! The Q4_1 matmul kernels against a memcpy of the same weight bytes, in one run (the machine
 //! is noisy: compare the ratio): SmolLM2-135M's MLP shapes at batch 1 and 16, f32 inputs
 //! (`--dtype native`) and inputs quantized to 8 bits (`--dtype native-i8`, quantization
-//! included), each instruction-set variant this CPU runs.
+//! included; with and without VNNI where the CPU has it), each instruction-set variant this
+//! CPU runs.
 //!
 //! ```text
 //! RAYON_NUM_THREADS=2 cargo bench -p tandem-models --bench q4_1
@@ -9,7 +10,7 @@
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use std::hint::black_box;
-use tandem_models::cpu::Isa;
+use tandem_models::cpu::{set_vnni_allowed, vnni_for, Isa, Vnni};
 use tandem_models::quant::{Q4_1Matrix, Q8Rows};
 
 /// A `[rows, cols]` matrix of pseudo-random blocks (scales ~0.02, minimums ~-0.1).
@@ -53,11 +54,24 @@ fn bench(c: &mut Criterion) {
                     &x,
                     |b, x| b.iter(|| black_box(w.matmul_on(isa, x, m))),
                 );
-                g.bench_with_input(
-                    BenchmarkId::new(format!("i8@{}", isa.name()), m),
-                    &x,
-                    |b, x| b.iter(|| black_box(w.matmul_q8_on(isa, &Q8Rows::quantize(x, cols)))),
-                );
+                // with VNNI where this variant has it, then without (the same results)
+                set_vnni_allowed(true);
+                let has_vnni = vnni_for(isa) != Vnni::Off;
+                for vnni in [true, false] {
+                    if !vnni && !has_vnni {
+                        continue;
+                    }
+                    set_vnni_allowed(vnni);
+                    let name = match vnni_for(isa) {
+                        Vnni::Off if vnni => format!("i8@{}", isa.name()),
+                        Vnni::Off => format!("i8-novnni@{}", isa.name()),
+                        _ => format!("i8-vnni@{}", isa.name()),
+                    };
+                    g.bench_with_input(BenchmarkId::new(name, m), &x, |b, x| {
+                        b.iter(|| black_box(w.matmul_q8_on(isa, &Q8Rows::quantize(x, cols))))
+                    });
+                }
+                set_vnni_allowed(true);
             }
         }
         g.finish();

@@ -11,12 +11,13 @@
 //!
 //! A mode may name the instruction set of Tandem's kernels after `@` (`native@portable`,
 //! `native@avx2`, `native@avx512`; see `tandem_models::cpu`), so variants compare in one run;
-//! without it the process's active set is used.
+//! without it the process's active set is used. `-novnni` after the set (`native-i8@avx512-novnni`)
+//! runs the integer kernels without VNNI instructions (`tandem_models::cpu::Vnni`).
 
 use std::time::Instant;
 
 use tandem_kv_cache::{CacheDtype, KvCacheConfig, KvStorage};
-use tandem_models::cpu::Isa;
+use tandem_models::cpu::{set_vnni_allowed, Isa};
 use tandem_models::{load_model, CausalLm, ForwardBatch, LoadOptions, SeqBatch, WeightMode};
 
 const PROMPT_LEN: usize = 200;
@@ -103,14 +104,18 @@ fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let spec = args.first().map_or("smollm2-135m", String::as_str);
     let default_isa = Isa::active();
-    let modes: Vec<(WeightMode, Isa)> = args
+    let modes: Vec<(WeightMode, Isa, bool)> = args
         .get(1)
         .map_or("q8_0,f32,native", String::as_str)
         .split(',')
         .map(|m| {
             let (mode, isa) = m.split_once('@').unwrap_or((m, default_isa.name()));
+            let (isa, vnni) = match isa.strip_suffix("-novnni") {
+                Some(isa) => (isa, false),
+                None => (isa, true),
+            };
             let isa = Isa::parse(isa).expect("instruction set: portable, avx2 or avx512");
-            (WeightMode::parse(mode).expect("mode"), isa)
+            (WeightMode::parse(mode).expect("mode"), isa, vnni)
         })
         .collect();
     let steps: usize = args.get(2).map_or(32, |s| s.parse().expect("steps"));
@@ -127,8 +132,10 @@ fn main() {
         "| weights | load s | weight MiB | prefill tok/s | decode tok/s (b=1) | decode tok/s (b={BATCH}, aggregate) | b={BATCH}/b=1 | step b=1 ms | weights/memcpy ms | ratio |"
     );
     println!("|---|---|---|---|---|---|---|---|---|---|");
-    for (mode, isa) in modes {
+    for (mode, isa, vnni) in modes {
         Isa::set_active(isa).expect("instruction set");
+        set_vnni_allowed(vnni);
+        let vnni_tag = if vnni { "" } else { "-novnni" };
         let t = Instant::now();
         let m = load_model(
             spec,
@@ -192,7 +199,7 @@ fn main() {
         let step_ms = 1e3 * t1 / steps as f64;
         let weights_ms = 1e3 * m.info.weight_bytes as f64 / bw;
         println!(
-            "| {mode}@{} | {load_s:.2} | {:.0} | {:.0} | {d1:.1} | {d16:.1} | {:.1}x | {step_ms:.2} | {weights_ms:.2} | {:.2} |",
+            "| {mode}@{}{vnni_tag} | {load_s:.2} | {:.0} | {:.0} | {d1:.1} | {d16:.1} | {:.1}x | {step_ms:.2} | {weights_ms:.2} | {:.2} |",
             isa.name(),
             m.info.weight_bytes as f64 / (1 << 20) as f64,
             PROMPT_LEN as f64 / prefill,

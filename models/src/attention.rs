@@ -932,7 +932,10 @@ mod tests {
         let k: Vec<f32> = (0..total * nkv * hd).map(|_| lcg(&mut s) * 3.0).collect();
         let v: Vec<f32> = (0..total * nkv * hd).map(|_| lcg(&mut s)).collect();
         for (cached, new) in [(0, 75), (40, 35), (74, 1), (20, 1)] {
-            let kv = (&k[..(cached + new) * nkv * hd], &v[..(cached + new) * nkv * hd]);
+            let kv = (
+                &k[..(cached + new) * nkv * hd],
+                &v[..(cached + new) * nkv * hd],
+            );
             let q: Vec<f32> = (0..new * nh * hd).map(|_| lcg(&mut s) * 3.0).collect();
             for window in [None, Some(21)] {
                 let p = AttentionParams {
@@ -944,9 +947,8 @@ mod tests {
                 };
                 for isa in Isa::runnable() {
                     for dtype in [CacheDtype::F32, CacheDtype::Bf16] {
-                        let run = |bs| {
-                            attend_with_block_size(isa, bs, dtype, kv, &q, (cached, new), &p)
-                        };
+                        let run =
+                            |bs| attend_with_block_size(isa, bs, dtype, kv, &q, (cached, new), &p);
                         let want = run(16);
                         for bs in [1, 5, 32, 48] {
                             assert!(

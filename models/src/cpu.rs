@@ -122,6 +122,55 @@ impl Isa {
     }
 }
 
+/// Which VNNI instruction (`vpdpbusd`: four 8-bit products summed into each 32-bit lane) the
+/// integer kernels of the x86 variants may use: the EVEX form in the AVX-512 variant where the
+/// CPU has AVX512-VNNI, the VEX form (AVX-VNNI) in the AVX2 variant where it has that. A VNNI
+/// sum equals the `vpmaddubsw` + `vpmaddwd` pair it replaces bit for bit (the pair's 16-bit
+/// step cannot saturate on 4-bit weights), so this changes speed only.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Vnni {
+    /// No VNNI instruction in this variant (or VNNI disabled).
+    Off,
+    /// AVX-VNNI (VEX-encoded, 256-bit).
+    Vex,
+    /// AVX512-VNNI (EVEX-encoded, used on 256-bit registers).
+    Evex,
+}
+
+/// The environment variable that disables VNNI (`0`), for comparisons and suspected bugs.
+pub const VNNI_ENV: &str = "TANDEM_CPU_VNNI";
+
+/// Whether VNNI may be used: `TANDEM_CPU_VNNI` at the first call, or [`set_vnni_allowed`].
+static VNNI_ALLOWED: AtomicU8 = AtomicU8::new(UNSET);
+
+/// Allows or forbids VNNI for later kernel calls in this process (benchmarks comparing both
+/// forms in one run; results do not change).
+pub fn set_vnni_allowed(allowed: bool) {
+    VNNI_ALLOWED.store(u8::from(allowed), Ordering::Relaxed);
+}
+
+/// The VNNI form the variant of `isa` uses on this CPU now.
+pub fn vnni_for(isa: Isa) -> Vnni {
+    let allowed = match VNNI_ALLOWED.load(Ordering::Relaxed) {
+        UNSET => {
+            let allowed = std::env::var(VNNI_ENV).map_or(true, |v| v.trim() != "0");
+            set_vnni_allowed(allowed);
+            allowed
+        }
+        v => v == 1,
+    };
+    if !allowed {
+        return Vnni::Off;
+    }
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 if is_x86_feature_detected!("avx512vnni") => Vnni::Evex,
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 if is_x86_feature_detected!("avxvnni") => Vnni::Vex,
+        _ => Vnni::Off,
+    }
+}
+
 /// Defines a function whose body is compiled for each instruction set and run in the variant of
 /// [`Isa::active`]: loops in the body (and what it inlines) are vectorized for AVX-512 or AVX2
 /// on CPUs that have them, without the build targeting them. The body must not use `unsafe`

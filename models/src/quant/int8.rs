@@ -12,8 +12,9 @@
 //!   term accumulates as `fma(mw, s, mins)`, and the result is the 8 lanes summed by the fixed
 //!   tree (lane `l` + `l + 4`, then `+ 2`, `+ 1`) plus `mins`.
 //! - Variants: portable Rust (the reference, fused multiply-adds) and AVX2 (`vpmaddubsw` of the
-//!   unsigned nibbles with the signed activations, `vpmaddwd` into the 8 lanes), which the
-//!   AVX-512 variant runs as well; same operations in the same order, so bit-identical (tested).
+//!   unsigned nibbles with the signed activations, `vpmaddwd` into the 8 lanes; or one VNNI
+//!   `vpdpbusd` where the CPU has it, `crate::cpu::Vnni`), which the AVX-512 variant runs as
+//!   well; same operations in the same order, so bit-identical (tested with VNNI on and off).
 //!
 //! Invariant: as the f32 kernel's (module docs of `q4_1`): a row's outputs are bit-identical
 //! alone or in any batch and in any tile shape.
@@ -90,6 +91,11 @@ fn quantize_block(x: &[f32], q: &mut [i8]) -> (f32, f32) {
     (d, d * sum as f32)
 }
 
+/// One form of an x86 tile kernel, as tests call each form this CPU runs.
+#[cfg(all(test, target_arch = "x86_64"))]
+pub(super) type TileFn<const NR: usize> =
+    for<'w, 'x> unsafe fn([&'w [u8]; NR], Q8View<'x>, &mut [[f32; 4]; MT]);
+
 /// Rows of a [`Q8Rows`] as a tile kernel reads them.
 #[derive(Clone, Copy)]
 pub(super) struct Q8View<'a> {
@@ -128,9 +134,9 @@ impl KernelSet<Q8View<'_>> for Int8Kernels {
     type Portable = portable::Kernel;
     #[cfg(target_arch = "x86_64")]
     type Avx2 = avx2::Kernel;
-    // AVX-512 CPUs run the AVX2 form (compiled with their wider feature set).
+    // AVX-512 CPUs run the AVX2 form (compiled with their wider feature set, and VNNI).
     #[cfg(target_arch = "x86_64")]
-    type Avx512 = avx2::Kernel;
+    type Avx512 = avx2::Kernel512;
 }
 
 /// Tile shape of both variants: up to 4 input rows; 4 weight rows for one or two input rows
@@ -265,14 +271,24 @@ mod portable {
     }
 }
 
-/// AVX2 form of `portable::tile` (module docs).
+/// AVX2 form of `portable::tile` (module docs), with the integer sums by `vpmaddubsw` +
+/// `vpmaddwd` or, where the CPU has it, one VNNI `vpdpbusd` (`crate::cpu::Vnni`).
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;
 
     use super::{tile_shape, Q8View, TileKernel, BLOCK_BYTES, MT, QK};
+    use crate::cpu::{vnni_for, Isa, Vnni};
 
+    /// The AVX2 variant.
     pub(in crate::quant) struct Kernel;
+    /// The AVX-512 variant: the same 256-bit code, with AVX512-VNNI where present.
+    pub(in crate::quant) struct Kernel512;
+
+    /// How the four-product integer sums are formed.
+    const PAIR: u8 = 0;
+    const VEX: u8 = 1;
+    const EVEX: u8 = 2;
 
     impl TileKernel<Q8View<'_>> for Kernel {
         const INPUT_ROWS: usize = 4;
@@ -290,65 +306,335 @@ mod avx2 {
             xt: Q8View<'_>,
             sums: &mut [[f32; 4]; MT],
         ) {
-            let (k, nb) = tile_shape::<NR, M>(&rows, &xt);
-            // SAFETY: block `b < nb` of row `j` is read at bytes `b * 20..b * 20 + 20` of
-            // `rows[j]` (length `nb * 20`), activations at `qs[r * k + b * 32..][..32]` and
-            // `d`, `s` at `r * nb + b` with `r < M`: in bounds by `tile_shape`'s asserts. The
-            // CPU has AVX2, FMA and F16C (the caller's contract).
+            // SAFETY: the caller's contract; `vnni_for` answers `Vex` only on a CPU with AVX-VNNI.
             unsafe {
-                let low4 = _mm_set1_epi8(15);
-                let ones = _mm256_set1_epi16(1);
-                let mut acc = [[_mm256_setzero_ps(); NR]; M];
-                for b in 0..nb {
-                    let mut w = [_mm256_setzero_si256(); NR];
-                    let mut dw = [_mm256_setzero_ps(); NR];
-                    for j in 0..NR {
-                        let blk = rows[j].as_ptr().add(b * BLOCK_BYTES);
+                match vnni_for(Isa::Avx2) {
+                    Vnni::Vex => tile_avxvnni::<NR, M>(rows, xt, sums),
+                    _ => tile_with::<NR, M, PAIR>(rows, xt, sums),
+                }
+            }
+        }
+    }
+
+    impl TileKernel<Q8View<'_>> for Kernel512 {
+        const INPUT_ROWS: usize = 4;
+
+        /// Two weight rows per register, so four rows for any batch (8 accumulators at most).
+        #[inline(always)]
+        fn weight_rows(_mt: usize, left: usize) -> usize {
+            match left {
+                1 => 1,
+                2 | 3 => 2,
+                _ => 4,
+            }
+        }
+
+        /// # Safety
+        /// The CPU has AVX-512 F/BW/VL/DQ, AVX2, FMA and F16C.
+        #[inline(always)]
+        unsafe fn tile<const NR: usize, const M: usize>(
+            rows: [&[u8]; NR],
+            xt: Q8View<'_>,
+            sums: &mut [[f32; 4]; MT],
+        ) {
+            // SAFETY: the caller's contract; `vnni_for` answers `Evex` only on a CPU with
+            // AVX512-VNNI.
+            unsafe {
+                // one input row: the 256-bit form (pairing rows costs more than it saves
+                // when each weight block meets one input block; measured)
+                let paired = NR > 1 && M > 1;
+                match (paired, vnni_for(Isa::Avx512)) {
+                    (false, Vnni::Evex) => tile_avx512vnni::<NR, M>(rows, xt, sums),
+                    (false, _) => tile_with::<NR, M, PAIR>(rows, xt, sums),
+                    (true, Vnni::Evex) => tile_zmm_vnni::<NR, M>(rows, xt, sums),
+                    (true, _) => tile_zmm::<NR, M, PAIR>(rows, xt, sums),
+                }
+            }
+        }
+    }
+
+    /// # Safety
+    /// The CPU has AVX2, FMA, F16C and AVX-VNNI.
+    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+    unsafe fn tile_avxvnni<const NR: usize, const M: usize>(
+        rows: [&[u8]; NR],
+        xt: Q8View<'_>,
+        sums: &mut [[f32; 4]; MT],
+    ) {
+        // SAFETY: the caller's contract.
+        unsafe { tile_with::<NR, M, VEX>(rows, xt, sums) }
+    }
+
+    /// # Safety
+    /// The CPU has AVX-512 F/BW/VL/DQ and VNNI, AVX2, FMA and F16C.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+    unsafe fn tile_avx512vnni<const NR: usize, const M: usize>(
+        rows: [&[u8]; NR],
+        xt: Q8View<'_>,
+        sums: &mut [[f32; 4]; MT],
+    ) {
+        // SAFETY: the caller's contract.
+        unsafe { tile_with::<NR, M, EVEX>(rows, xt, sums) }
+    }
+
+    /// # Safety
+    /// The CPU has AVX-512 F/BW/VL/DQ and VNNI, AVX2, FMA and F16C; `NR` is 2 or 4.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+    unsafe fn tile_zmm_vnni<const NR: usize, const M: usize>(
+        rows: [&[u8]; NR],
+        xt: Q8View<'_>,
+        sums: &mut [[f32; 4]; MT],
+    ) {
+        // SAFETY: the caller's contract.
+        unsafe { tile_zmm::<NR, M, EVEX>(rows, xt, sums) }
+    }
+
+    /// The AVX-512 tile: weight rows in pairs, row `2p` in the low 256 bits of a 512-bit
+    /// register and row `2p + 1` in the high, so each instruction does two rows' work; lane
+    /// for lane the arithmetic of [`tile_with`] (same lanes, operations and order), hence the
+    /// same bits. `DOT` is `PAIR` (`vpmaddubsw` + `vpmaddwd`) or `EVEX` (`vpdpbusd`).
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F/BW/VL/DQ, AVX2, FMA and F16C, and AVX512-VNNI for `EVEX`; `NR` is
+    /// 2 or 4.
+    #[inline(always)]
+    unsafe fn tile_zmm<const NR: usize, const M: usize, const DOT: u8>(
+        rows: [&[u8]; NR],
+        xt: Q8View<'_>,
+        sums: &mut [[f32; 4]; MT],
+    ) {
+        let (k, nb) = tile_shape::<NR, M>(&rows, &xt);
+        assert!(NR == 2 || NR == 4);
+        let pairs = NR / 2;
+        // SAFETY: as `tile_with`'s (the same blocks and activations are read).
+        unsafe {
+            let low4 = _mm256_set1_epi8(15);
+            let ones = _mm512_set1_epi16(1);
+            let zero = _mm512_setzero_si512();
+            let mut acc = [[_mm512_setzero_ps(); 2]; M];
+            for b in 0..nb {
+                let mut w = [zero; 2];
+                let mut dw = [_mm512_setzero_ps(); 2];
+                for p in 0..pairs {
+                    let b0 = rows[2 * p].as_ptr().add(b * BLOCK_BYTES);
+                    let b1 = rows[2 * p + 1].as_ptr().add(b * BLOCK_BYTES);
+                    let q = _mm256_loadu2_m128i(b1.add(4).cast(), b0.add(4).cast());
+                    let lo = _mm256_and_si256(q, low4);
+                    let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), low4);
+                    // [lo0, lo1, hi0, hi1] -> [lo0, hi0, lo1, hi1] (128-bit lanes)
+                    let z = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
+                    w[p] = _mm512_shuffle_i64x2::<0b11_01_10_00>(z, z);
+                    let d = |blk: *const u8| {
                         let v = _mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(
                             blk.cast::<u16>().read_unaligned(),
                         )));
-                        dw[j] = _mm256_broadcastss_ps(v);
-                        let q = _mm_loadu_si128(blk.add(4).cast());
-                        let lo = _mm_and_si128(q, low4);
-                        let hi = _mm_and_si128(_mm_srli_epi16::<4>(q), low4);
-                        w[j] = _mm256_set_m128i(hi, lo);
-                    }
-                    for (r, acc_r) in acc.iter_mut().enumerate() {
-                        let a = _mm256_loadu_si256(xt.qs.as_ptr().add(r * k + b * QK).cast());
-                        let da = _mm256_broadcast_ss(xt.d.get_unchecked(r * nb + b));
-                        for j in 0..NR {
-                            let p = _mm256_madd_epi16(_mm256_maddubs_epi16(w[j], a), ones);
-                            let dd = _mm256_mul_ps(dw[j], da);
-                            acc_r[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), dd, acc_r[j]);
-                        }
+                        _mm256_broadcastss_ps(v)
+                    };
+                    dw[p] = _mm512_insertf32x8::<1>(_mm512_castps256_ps512(d(b0)), d(b1));
+                }
+                for (r, acc_r) in acc.iter_mut().enumerate() {
+                    let a = _mm512_broadcast_i64x4(_mm256_loadu_si256(
+                        xt.qs.as_ptr().add(r * k + b * QK).cast(),
+                    ));
+                    let da = _mm512_set1_ps(*xt.d.get_unchecked(r * nb + b));
+                    for p in 0..pairs {
+                        let s = match DOT {
+                            EVEX => _mm512_dpbusd_epi32(zero, w[p], a),
+                            _ => _mm512_madd_epi16(_mm512_maddubs_epi16(w[p], a), ones),
+                        };
+                        let dd = _mm512_mul_ps(dw[p], da);
+                        acc_r[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), dd, acc_r[p]);
                     }
                 }
-                // `min_term` for every (r, j), its chains interleaved
-                let mut mins = [[0f32; NR]; M];
-                for b in 0..nb {
-                    let mut mw = [0f32; NR];
-                    for (j, mwj) in mw.iter_mut().enumerate() {
-                        let blk = rows[j].as_ptr().add(b * BLOCK_BYTES);
-                        let v = _mm_cvtph_ps(_mm_cvtsi32_si128(blk.cast::<i32>().read_unaligned()));
-                        *mwj = _mm_cvtss_f32(_mm_movehdup_ps(v));
-                    }
-                    for (r, mins_r) in mins.iter_mut().enumerate() {
-                        let sb = *xt.s.get_unchecked(r * nb + b);
-                        for (mj, &w) in mins_r.iter_mut().zip(&mw) {
-                            *mj = w.mul_add(sb, *mj);
-                        }
-                    }
+            }
+            let mins = min_terms::<NR, M>(&rows, &xt, nb);
+            for r in 0..M {
+                for j in 0..NR {
+                    let v = acc[r][j / 2];
+                    let v = if j % 2 == 0 {
+                        _mm512_castps512_ps256(v)
+                    } else {
+                        _mm512_extractf32x8_ps::<1>(v)
+                    };
+                    sums[r][j] = reduce8(v) + mins[r][j];
                 }
-                for r in 0..M {
+            }
+        }
+    }
+
+    /// `min_term` for every (r, j) of a tile: lane `j` of one 4-lane register per input row
+    /// runs row `j`'s chain (the same fused multiply-adds in block order).
+    ///
+    /// # Safety
+    /// The CPU has AVX, FMA and F16C; the tile's shape was checked by `tile_shape`.
+    #[inline(always)]
+    unsafe fn min_terms<const NR: usize, const M: usize>(
+        rows: &[&[u8]; NR],
+        xt: &Q8View<'_>,
+        nb: usize,
+    ) -> [[f32; NR]; M] {
+        // SAFETY: block `b < nb` of each row and `s[r * nb + b]`, `r < M`: in bounds by
+        // `tile_shape`'s asserts (`NR <= 4`); the instructions by the caller's contract.
+        unsafe {
+            let mut acc = [_mm_setzero_ps(); M];
+            for b in 0..nb {
+                let m = |j: usize| {
+                    if j < NR {
+                        rows[j]
+                            .as_ptr()
+                            .add(b * BLOCK_BYTES + 2)
+                            .cast::<i16>()
+                            .read_unaligned()
+                    } else {
+                        0
+                    }
+                };
+                let mw = _mm_cvtph_ps(_mm_set_epi16(0, 0, 0, 0, m(3), m(2), m(1), m(0)));
+                for (r, acc_r) in acc.iter_mut().enumerate() {
+                    let sb = _mm_set1_ps(*xt.s.get_unchecked(r * nb + b));
+                    *acc_r = _mm_fmadd_ps(mw, sb, *acc_r);
+                }
+            }
+            let mut mins = [[0f32; NR]; M];
+            for (r, mins_r) in mins.iter_mut().enumerate() {
+                let mut lanes = [0f32; 4];
+                _mm_storeu_ps(lanes.as_mut_ptr(), acc[r]);
+                mins_r.copy_from_slice(&lanes[..NR]);
+            }
+            mins
+        }
+    }
+
+    /// The 8 lanes summed by the portable tree: lane l + lane l + 4, then + 2, + 1.
+    ///
+    /// # Safety
+    /// The CPU has AVX.
+    #[inline(always)]
+    unsafe fn reduce8(v: __m256) -> f32 {
+        // SAFETY: the caller's contract.
+        unsafe {
+            let v4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+            let v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
+            let v1 = _mm_add_ss(v2, _mm_movehdup_ps(v2));
+            _mm_cvtss_f32(v1)
+        }
+    }
+
+    /// The tile in every form this CPU runs (tests): `(name, sums)`.
+    #[cfg(test)]
+    pub(in crate::quant) fn every_form<const NR: usize, const M: usize>(
+        rows: [&[u8]; NR],
+        xt: Q8View<'_>,
+    ) -> Vec<(&'static str, [[f32; 4]; MT])> {
+        let has = |f: &str| match f {
+            "avx2" => Isa::Avx2.supported(),
+            "avxvnni" => is_x86_feature_detected!("avxvnni"),
+            _ => is_x86_feature_detected!("avx512vnni") && Isa::Avx512.supported(),
+        };
+        let mut out = Vec::new();
+        let mut run = |name, f: crate::quant::int8::TileFn<NR>| {
+            let mut sums = [[0f32; 4]; MT];
+            // SAFETY: each form runs only where the CPU has its instructions (`has`).
+            unsafe { f(rows, xt, &mut sums) };
+            out.push((name, sums));
+        };
+        if has("avx2") {
+            run("pair", pair::<NR, M>);
+        }
+        if has("avxvnni") {
+            run("avxvnni", tile_avxvnni::<NR, M>);
+        }
+        if has("avx512vnni") {
+            run("avx512vnni", tile_avx512vnni::<NR, M>);
+        }
+        if NR.is_multiple_of(2) && Isa::Avx512.supported() {
+            run("zmm-pair", zmm_pair::<NR, M>);
+            if has("avx512vnni") {
+                run("zmm-avx512vnni", tile_zmm_vnni::<NR, M>);
+            }
+        }
+        out
+    }
+
+    /// # Safety
+    /// The CPU has AVX-512 F/BW/VL/DQ, AVX2, FMA and F16C; `NR` is 2 or 4.
+    #[cfg(test)]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+    unsafe fn zmm_pair<const NR: usize, const M: usize>(
+        rows: [&[u8]; NR],
+        xt: Q8View<'_>,
+        sums: &mut [[f32; 4]; MT],
+    ) {
+        // SAFETY: the caller's contract.
+        unsafe { tile_zmm::<NR, M, PAIR>(rows, xt, sums) }
+    }
+
+    /// # Safety
+    /// The CPU has AVX2, FMA and F16C.
+    #[cfg(test)]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn pair<const NR: usize, const M: usize>(
+        rows: [&[u8]; NR],
+        xt: Q8View<'_>,
+        sums: &mut [[f32; 4]; MT],
+    ) {
+        // SAFETY: the caller's contract.
+        unsafe { tile_with::<NR, M, PAIR>(rows, xt, sums) }
+    }
+
+    /// The tile with the integer sums formed as `DOT` says.
+    ///
+    /// # Safety
+    /// The CPU has AVX2, FMA and F16C, and AVX-VNNI for `VEX`, AVX512-VNNI (with VL) for `EVEX`.
+    #[inline(always)]
+    unsafe fn tile_with<const NR: usize, const M: usize, const DOT: u8>(
+        rows: [&[u8]; NR],
+        xt: Q8View<'_>,
+        sums: &mut [[f32; 4]; MT],
+    ) {
+        let (k, nb) = tile_shape::<NR, M>(&rows, &xt);
+        // SAFETY: block `b < nb` of row `j` is read at bytes `b * 20..b * 20 + 20` of
+        // `rows[j]` (length `nb * 20`), activations at `qs[r * k + b * 32..][..32]` and
+        // `d`, `s` at `r * nb + b` with `r < M`: in bounds by `tile_shape`'s asserts. The
+        // CPU has the instructions (the caller's contract).
+        unsafe {
+            let low4 = _mm_set1_epi8(15);
+            let ones = _mm256_set1_epi16(1);
+            let zero = _mm256_setzero_si256();
+            let mut acc = [[_mm256_setzero_ps(); NR]; M];
+            for b in 0..nb {
+                let mut w = [_mm256_setzero_si256(); NR];
+                let mut dw = [_mm256_setzero_ps(); NR];
+                for j in 0..NR {
+                    let blk = rows[j].as_ptr().add(b * BLOCK_BYTES);
+                    let v = _mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(
+                        blk.cast::<u16>().read_unaligned(),
+                    )));
+                    dw[j] = _mm256_broadcastss_ps(v);
+                    let q = _mm_loadu_si128(blk.add(4).cast());
+                    let lo = _mm_and_si128(q, low4);
+                    let hi = _mm_and_si128(_mm_srli_epi16::<4>(q), low4);
+                    w[j] = _mm256_set_m128i(hi, lo);
+                }
+                for (r, acc_r) in acc.iter_mut().enumerate() {
+                    let a = _mm256_loadu_si256(xt.qs.as_ptr().add(r * k + b * QK).cast());
+                    let da = _mm256_broadcast_ss(xt.d.get_unchecked(r * nb + b));
                     for j in 0..NR {
-                        // the portable tree: lane l + lane l + 4, then + 2, + 1
-                        let v = acc[r][j];
-                        let v4 =
-                            _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-                        let v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
-                        let v1 = _mm_add_ss(v2, _mm_movehdup_ps(v2));
-                        sums[r][j] = _mm_cvtss_f32(v1) + mins[r][j];
+                        // lane l: Σ_{i=4l..4l+4} qw_i · qa_i, exact in every form
+                        let p = match DOT {
+                            VEX => _mm256_dpbusd_avx_epi32(zero, w[j], a),
+                            EVEX => _mm256_dpbusd_epi32(zero, w[j], a),
+                            _ => _mm256_madd_epi16(_mm256_maddubs_epi16(w[j], a), ones),
+                        };
+                        let dd = _mm256_mul_ps(dw[j], da);
+                        acc_r[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), dd, acc_r[j]);
                     }
+                }
+            }
+            let mins = min_terms::<NR, M>(&rows, &xt, nb);
+            for r in 0..M {
+                for j in 0..NR {
+                    sums[r][j] = reduce8(acc[r][j]) + mins[r][j];
                 }
             }
         }
@@ -446,6 +732,41 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn every_integer_sum_form_equals_the_portable_tile_bit_for_bit() {
+        // `vpmaddubsw` + `vpmaddwd`, AVX-VNNI and AVX512-VNNI, each where this CPU has it
+        let cols = 576;
+        let w = random_matrix(4, cols, 53);
+        let x = random_input(4, cols, 55);
+        let xq = Q8Rows::quantize(&x, cols);
+        let rows4 = [w.row(0), w.row(1), w.row(2), w.row(3)];
+        fn check<const NR: usize, const M: usize>(rows: [&[u8]; NR], xt: Q8View<'_>) -> usize {
+            let mut want = [[0f32; 4]; MT];
+            portable::tile::<NR, M>(rows, xt, &mut want);
+            let forms = avx2::every_form::<NR, M>(rows, xt);
+            for (name, got) in &forms {
+                for r in 0..M {
+                    for j in 0..NR {
+                        assert_eq!(
+                            got[r][j].to_bits(),
+                            want[r][j].to_bits(),
+                            "{name} NR={NR} M={M} ({r}, {j})"
+                        );
+                    }
+                }
+            }
+            forms.len()
+        }
+        let v = xq.view();
+        check::<1, 1>([rows4[0]], v.rows(0, 1, cols));
+        let forms = check::<4, 1>(rows4, v.rows(1, 1, cols));
+        check::<4, 2>(rows4, v.rows(0, 2, cols));
+        check::<2, 3>([rows4[1], rows4[3]], v.rows(1, 3, cols));
+        check::<2, 4>([rows4[2], rows4[0]], v.rows(0, 4, cols));
+        eprintln!("integer sum forms run: {forms}");
     }
 
     #[test]

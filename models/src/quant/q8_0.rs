@@ -10,7 +10,9 @@
 //!   kernel's arithmetic without its minimum term.
 //! - Variants: portable Rust (the reference) and AVX2 (`vpsignb` moves the weight's sign onto
 //!   the activation so `vpmaddubsw` multiplies `|qw|` (unsigned) by `±qa`, exact: |products|
-//!   ≤ 128·127, pair sums < 2^15), which AVX-512 CPUs run too; bit-identical (tested).
+//!   ≤ 128·127, pair sums < 2^15; or one VNNI `vpdpbusd` of the same operands where the CPU
+//!   has it, `crate::cpu::Vnni`), which AVX-512 CPUs run too; bit-identical (tested with VNNI
+//!   on and off).
 //!
 //! Invariant: a row's outputs are bit-identical alone or in any batch and tile shape.
 
@@ -92,9 +94,9 @@ impl KernelSet<Q8View<'_>> for Kernels {
     type Portable = portable::Kernel;
     #[cfg(target_arch = "x86_64")]
     type Avx2 = avx2::Kernel;
-    // AVX-512 CPUs run the AVX2 form (compiled with their wider feature set).
+    // AVX-512 CPUs run the AVX2 form (compiled with their wider feature set, and VNNI).
     #[cfg(target_arch = "x86_64")]
-    type Avx512 = avx2::Kernel;
+    type Avx512 = avx2::Kernel512;
 }
 
 /// Checks a tile's arguments once for both variants. Returns `(k, nb)`.
@@ -186,14 +188,24 @@ mod portable {
     }
 }
 
-/// AVX2 form of `portable::tile` (module docs).
+/// AVX2 form of `portable::tile` (module docs), with the integer sums by `vpmaddubsw` +
+/// `vpmaddwd` or, where the CPU has it, one VNNI `vpdpbusd` (`crate::cpu::Vnni`).
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;
 
     use super::{tile_shape, Q8View, TileKernel, BLOCK_BYTES, MT, QK};
+    use crate::cpu::{vnni_for, Isa, Vnni};
 
+    /// The AVX2 variant.
     pub(in crate::quant) struct Kernel;
+    /// The AVX-512 variant: the same 256-bit code, with AVX512-VNNI where present.
+    pub(in crate::quant) struct Kernel512;
+
+    /// How the four-product integer sums are formed.
+    const PAIR: u8 = 0;
+    const VEX: u8 = 1;
+    const EVEX: u8 = 2;
 
     impl TileKernel<Q8View<'_>> for Kernel {
         const INPUT_ROWS: usize = 4;
@@ -211,47 +223,165 @@ mod avx2 {
             xt: Q8View<'_>,
             sums: &mut [[f32; 4]; MT],
         ) {
-            let (k, nb) = tile_shape::<NR, M>(&rows, &xt);
-            // SAFETY: block `b < nb` of row `j` is read at bytes `b * 34..b * 34 + 34` of
-            // `rows[j]` (length `nb * 34`), activations at `qs[r * k + b * 32..][..32]` and `d`
-            // at `r * nb + b` with `r < M`: in bounds by `tile_shape`'s asserts. The CPU has
-            // AVX2, FMA and F16C (the caller's contract).
+            // SAFETY: the caller's contract; `vnni_for` answers `Vex` only on a CPU with AVX-VNNI.
             unsafe {
-                let ones = _mm256_set1_epi16(1);
-                let mut acc = [[_mm256_setzero_ps(); NR]; M];
-                for b in 0..nb {
-                    let mut w = [_mm256_setzero_si256(); NR];
-                    let mut dw = [_mm256_setzero_ps(); NR];
+                match vnni_for(Isa::Avx2) {
+                    Vnni::Vex => tile_avxvnni::<NR, M>(rows, xt, sums),
+                    _ => tile_with::<NR, M, PAIR>(rows, xt, sums),
+                }
+            }
+        }
+    }
+
+    impl TileKernel<Q8View<'_>> for Kernel512 {
+        const INPUT_ROWS: usize = 4;
+
+        #[inline(always)]
+        fn weight_rows(mt: usize, left: usize) -> usize {
+            super::weight_rows(mt, left)
+        }
+
+        /// # Safety
+        /// The CPU has AVX-512 F/BW/VL/DQ, AVX2, FMA and F16C.
+        #[inline(always)]
+        unsafe fn tile<const NR: usize, const M: usize>(
+            rows: [&[u8]; NR],
+            xt: Q8View<'_>,
+            sums: &mut [[f32; 4]; MT],
+        ) {
+            // SAFETY: the caller's contract; `vnni_for` answers `Evex` only on a CPU with
+            // AVX512-VNNI.
+            unsafe {
+                match vnni_for(Isa::Avx512) {
+                    Vnni::Evex => tile_avx512vnni::<NR, M>(rows, xt, sums),
+                    _ => tile_with::<NR, M, PAIR>(rows, xt, sums),
+                }
+            }
+        }
+    }
+
+    /// # Safety
+    /// The CPU has AVX2, FMA, F16C and AVX-VNNI.
+    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+    unsafe fn tile_avxvnni<const NR: usize, const M: usize>(
+        rows: [&[u8]; NR],
+        xt: Q8View<'_>,
+        sums: &mut [[f32; 4]; MT],
+    ) {
+        // SAFETY: the caller's contract.
+        unsafe { tile_with::<NR, M, VEX>(rows, xt, sums) }
+    }
+
+    /// # Safety
+    /// The CPU has AVX-512 F/BW/VL/DQ and VNNI, AVX2, FMA and F16C.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+    unsafe fn tile_avx512vnni<const NR: usize, const M: usize>(
+        rows: [&[u8]; NR],
+        xt: Q8View<'_>,
+        sums: &mut [[f32; 4]; MT],
+    ) {
+        // SAFETY: the caller's contract.
+        unsafe { tile_with::<NR, M, EVEX>(rows, xt, sums) }
+    }
+
+    /// The tile in every form this CPU runs (tests): `(name, sums)`.
+    #[cfg(test)]
+    pub(in crate::quant) fn every_form<const NR: usize, const M: usize>(
+        rows: [&[u8]; NR],
+        xt: Q8View<'_>,
+    ) -> Vec<(&'static str, [[f32; 4]; MT])> {
+        let has = |f: &str| match f {
+            "avx2" => Isa::Avx2.supported(),
+            "avxvnni" => is_x86_feature_detected!("avxvnni"),
+            _ => is_x86_feature_detected!("avx512vnni") && Isa::Avx512.supported(),
+        };
+        let mut out = Vec::new();
+        let mut run = |name, f: crate::quant::int8::TileFn<NR>| {
+            let mut sums = [[0f32; 4]; MT];
+            // SAFETY: each form runs only where the CPU has its instructions (`has`).
+            unsafe { f(rows, xt, &mut sums) };
+            out.push((name, sums));
+        };
+        if has("avx2") {
+            run("pair", pair::<NR, M>);
+        }
+        if has("avxvnni") {
+            run("avxvnni", tile_avxvnni::<NR, M>);
+        }
+        if has("avx512vnni") {
+            run("avx512vnni", tile_avx512vnni::<NR, M>);
+        }
+        out
+    }
+
+    /// # Safety
+    /// The CPU has AVX2, FMA and F16C.
+    #[cfg(test)]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn pair<const NR: usize, const M: usize>(
+        rows: [&[u8]; NR],
+        xt: Q8View<'_>,
+        sums: &mut [[f32; 4]; MT],
+    ) {
+        // SAFETY: the caller's contract.
+        unsafe { tile_with::<NR, M, PAIR>(rows, xt, sums) }
+    }
+
+    /// The tile with the integer sums formed as `DOT` says.
+    ///
+    /// # Safety
+    /// The CPU has AVX2, FMA and F16C, and AVX-VNNI for `VEX`, AVX512-VNNI (with VL) for `EVEX`.
+    #[inline(always)]
+    unsafe fn tile_with<const NR: usize, const M: usize, const DOT: u8>(
+        rows: [&[u8]; NR],
+        xt: Q8View<'_>,
+        sums: &mut [[f32; 4]; MT],
+    ) {
+        let (k, nb) = tile_shape::<NR, M>(&rows, &xt);
+        // SAFETY: block `b < nb` of row `j` is read at bytes `b * 34..b * 34 + 34` of
+        // `rows[j]` (length `nb * 34`), activations at `qs[r * k + b * 32..][..32]` and `d`
+        // at `r * nb + b` with `r < M`: in bounds by `tile_shape`'s asserts. The CPU has the
+        // instructions (the caller's contract).
+        unsafe {
+            let ones = _mm256_set1_epi16(1);
+            let zero = _mm256_setzero_si256();
+            let mut acc = [[_mm256_setzero_ps(); NR]; M];
+            for b in 0..nb {
+                let mut w = [_mm256_setzero_si256(); NR];
+                let mut dw = [_mm256_setzero_ps(); NR];
+                for j in 0..NR {
+                    let blk = rows[j].as_ptr().add(b * BLOCK_BYTES);
+                    let v = _mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(
+                        blk.cast::<u16>().read_unaligned(),
+                    )));
+                    dw[j] = _mm256_broadcastss_ps(v);
+                    w[j] = _mm256_loadu_si256(blk.add(2).cast());
+                }
+                for (r, acc_r) in acc.iter_mut().enumerate() {
+                    let a = _mm256_loadu_si256(xt.qs.as_ptr().add(r * k + b * QK).cast());
+                    let da = _mm256_broadcast_ss(xt.d.get_unchecked(r * nb + b));
                     for j in 0..NR {
-                        let blk = rows[j].as_ptr().add(b * BLOCK_BYTES);
-                        let v = _mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(
-                            blk.cast::<u16>().read_unaligned(),
-                        )));
-                        dw[j] = _mm256_broadcastss_ps(v);
-                        w[j] = _mm256_loadu_si256(blk.add(2).cast());
-                    }
-                    for (r, acc_r) in acc.iter_mut().enumerate() {
-                        let a = _mm256_loadu_si256(xt.qs.as_ptr().add(r * k + b * QK).cast());
-                        let da = _mm256_broadcast_ss(xt.d.get_unchecked(r * nb + b));
-                        for j in 0..NR {
-                            let aw = _mm256_sign_epi8(w[j], w[j]);
-                            let sa = _mm256_sign_epi8(a, w[j]);
-                            let p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sa), ones);
-                            let dd = _mm256_mul_ps(dw[j], da);
-                            acc_r[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), dd, acc_r[j]);
-                        }
+                        // |qw| (unsigned) times ±qa: exact in every form (module docs)
+                        let aw = _mm256_sign_epi8(w[j], w[j]);
+                        let sa = _mm256_sign_epi8(a, w[j]);
+                        let p = match DOT {
+                            VEX => _mm256_dpbusd_avx_epi32(zero, aw, sa),
+                            EVEX => _mm256_dpbusd_epi32(zero, aw, sa),
+                            _ => _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sa), ones),
+                        };
+                        let dd = _mm256_mul_ps(dw[j], da);
+                        acc_r[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), dd, acc_r[j]);
                     }
                 }
-                for r in 0..M {
-                    for j in 0..NR {
-                        // the portable tree: lane l + lane l + 4, then + 2, + 1
-                        let v = acc[r][j];
-                        let v4 =
-                            _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-                        let v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
-                        let v1 = _mm_add_ss(v2, _mm_movehdup_ps(v2));
-                        sums[r][j] = _mm_cvtss_f32(v1);
-                    }
+            }
+            for r in 0..M {
+                for j in 0..NR {
+                    // the portable tree: lane l + lane l + 4, then + 2, + 1
+                    let v = acc[r][j];
+                    let v4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+                    let v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
+                    let v1 = _mm_add_ss(v2, _mm_movehdup_ps(v2));
+                    sums[r][j] = _mm_cvtss_f32(v1);
                 }
             }
         }
@@ -315,6 +445,41 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn every_integer_sum_form_equals_the_portable_tile_bit_for_bit() {
+        // `vpmaddubsw` + `vpmaddwd`, AVX-VNNI and AVX512-VNNI, each where this CPU has it
+        let cols = 576;
+        let w = random_matrix(4, cols, 59);
+        let x = random_input(4, cols, 61);
+        let xq = Q8Rows::quantize(&x, cols);
+        let rows4 = [w.row(0), w.row(1), w.row(2), w.row(3)];
+        fn check<const NR: usize, const M: usize>(rows: [&[u8]; NR], xt: Q8View<'_>) -> usize {
+            let mut want = [[0f32; 4]; MT];
+            portable::tile::<NR, M>(rows, xt, &mut want);
+            let forms = avx2::every_form::<NR, M>(rows, xt);
+            for (name, got) in &forms {
+                for r in 0..M {
+                    for j in 0..NR {
+                        assert_eq!(
+                            got[r][j].to_bits(),
+                            want[r][j].to_bits(),
+                            "{name} NR={NR} M={M} ({r}, {j})"
+                        );
+                    }
+                }
+            }
+            forms.len()
+        }
+        let v = xq.view();
+        check::<1, 1>([rows4[0]], v.rows(0, 1, cols));
+        let forms = check::<4, 1>(rows4, v.rows(1, 1, cols));
+        check::<4, 2>(rows4, v.rows(0, 2, cols));
+        check::<2, 3>([rows4[1], rows4[3]], v.rows(1, 3, cols));
+        check::<2, 4>([rows4[2], rows4[0]], v.rows(0, 4, cols));
+        eprintln!("integer sum forms run: {forms}");
     }
 
     #[test]

@@ -137,7 +137,8 @@ pub enum Vnni {
     Evex,
 }
 
-/// The environment variable that disables VNNI (`0`), for comparisons and suspected bugs.
+/// The environment variable that disables VNNI (`0`; `1` or unset allows it), for comparisons
+/// and suspected bugs.
 pub const VNNI_ENV: &str = "TANDEM_CPU_VNNI";
 
 /// Whether VNNI may be used: `TANDEM_CPU_VNNI` at the first call, or [`set_vnni_allowed`].
@@ -153,7 +154,14 @@ pub fn set_vnni_allowed(allowed: bool) {
 pub fn vnni_for(isa: Isa) -> Vnni {
     let allowed = match VNNI_ALLOWED.load(Ordering::Relaxed) {
         UNSET => {
-            let allowed = std::env::var(VNNI_ENV).map_or(true, |v| v.trim() != "0");
+            let allowed = match std::env::var(VNNI_ENV).as_deref().map(str::trim) {
+                Err(_) | Ok("" | "1") => true,
+                Ok("0") => false,
+                Ok(other) => {
+                    tracing::warn!("{VNNI_ENV}={other} is not 0 or 1; VNNI stays allowed");
+                    true
+                }
+            };
             set_vnni_allowed(allowed);
             allowed
         }

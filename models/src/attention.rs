@@ -641,20 +641,7 @@ mod tests {
         let (bs, nh, nkv, hd) = (case.block_size, case.nh, case.nkv, case.hd);
         let blocks_needed: usize = case.seqs.iter().map(|&(c, n)| (c + n).div_ceil(bs)).sum();
         let num_blocks = blocks_needed + 5;
-        let storage = KvStorage::new(&KvCacheConfig {
-            num_blocks,
-            groups: vec![KvCacheGroup {
-                group_id: 0,
-                spec: KvCacheSpec::FullAttention {
-                    block_size: bs,
-                    num_kv_heads: nkv,
-                    head_dim: hd,
-                    dtype,
-                },
-                layer_names: vec!["model.layers.0.self_attn".into()],
-            }],
-        })
-        .unwrap();
+        let storage = one_layer_storage(num_blocks, bs, nkv, hd, dtype);
         // scrambled block ids: a stride permutation of 0..num_blocks
         let mut ids: Vec<u32> = (0..num_blocks as u32)
             .map(|i| (i * 7 + 3) % num_blocks as u32)
@@ -825,20 +812,7 @@ mod tests {
     #[test]
     fn a_query_does_not_depend_on_the_rest_of_the_batch() {
         // the same sequence alone and behind another one gives bit-identical output
-        let storage = KvStorage::new(&KvCacheConfig {
-            num_blocks: 8,
-            groups: vec![KvCacheGroup {
-                group_id: 0,
-                spec: KvCacheSpec::FullAttention {
-                    block_size: 4,
-                    num_kv_heads: 1,
-                    head_dim: 16,
-                    dtype: CacheDtype::F32,
-                },
-                layer_names: vec!["layers.0".into()],
-            }],
-        })
-        .unwrap();
+        let storage = one_layer_storage(8, 4, 1, 16, CacheDtype::F32);
         let mut s = 9;
         let kv: Vec<f32> = (0..32 * 16).map(|_| lcg(&mut s)).collect();
         let slots: Vec<usize> = (0..32).collect();
@@ -874,6 +848,30 @@ mod tests {
         assert_eq!(&both[2 * 32..], &alone[..]);
     }
 
+    /// A cache of one full-attention layer: `num_blocks` blocks of `block_size` tokens.
+    fn one_layer_storage(
+        num_blocks: usize,
+        block_size: usize,
+        num_kv_heads: usize,
+        head_dim: usize,
+        dtype: CacheDtype,
+    ) -> KvStorage {
+        KvStorage::new(&KvCacheConfig {
+            num_blocks,
+            groups: vec![KvCacheGroup {
+                group_id: 0,
+                spec: KvCacheSpec::FullAttention {
+                    block_size,
+                    num_kv_heads,
+                    head_dim,
+                    dtype,
+                },
+                layer_names: vec!["layers.0".into()],
+            }],
+        })
+        .unwrap()
+    }
+
     /// Attention of queries over one sequence's K/V held in a cache of `bs`-token blocks
     /// (scrambled block ids), for the ISA `isa`.
     #[allow(clippy::too_many_arguments)]
@@ -889,20 +887,7 @@ mod tests {
         let total = cached + new;
         let nb = total.div_ceil(bs);
         let num_blocks = nb + 3;
-        let storage = KvStorage::new(&KvCacheConfig {
-            num_blocks,
-            groups: vec![KvCacheGroup {
-                group_id: 0,
-                spec: KvCacheSpec::FullAttention {
-                    block_size: bs,
-                    num_kv_heads: p.num_kv_heads,
-                    head_dim: p.head_dim,
-                    dtype,
-                },
-                layer_names: vec!["layers.0".into()],
-            }],
-        })
-        .unwrap();
+        let storage = one_layer_storage(num_blocks, bs, p.num_kv_heads, p.head_dim, dtype);
         let table: Vec<u32> = (0..nb as u32).map(|i| (nb as u32 - 1 - i) + 2).collect();
         let slots: Vec<usize> = (0..total)
             .map(|j| table[j / bs] as usize * bs + j % bs)
@@ -999,20 +984,7 @@ mod tests {
         // 6 query heads over 3 KV heads: alone, the decode query is one task split over the
         // KV heads (on 2+ threads); behind 5 other sequences nothing is split
         let (nh, nkv, hd, bs) = (6, 3, 16, 4);
-        let storage = KvStorage::new(&KvCacheConfig {
-            num_blocks: 40,
-            groups: vec![KvCacheGroup {
-                group_id: 0,
-                spec: KvCacheSpec::FullAttention {
-                    block_size: bs,
-                    num_kv_heads: nkv,
-                    head_dim: hd,
-                    dtype: CacheDtype::F32,
-                },
-                layer_names: vec!["layers.0".into()],
-            }],
-        })
-        .unwrap();
+        let storage = one_layer_storage(40, bs, nkv, hd, CacheDtype::F32);
         let mut s = 21;
         let kv: Vec<f32> = (0..160 * nkv * hd).map(|_| lcg(&mut s)).collect();
         let slots: Vec<usize> = (0..160).collect();

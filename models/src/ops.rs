@@ -425,11 +425,26 @@ isa_variants! {
     }
 }
 
-/// AVX-512 helpers shared by the kernels' AVX-512 variants (`crate::cpu`): inlined into code
-/// that runs only on CPUs with AVX-512F.
+/// SIMD helpers shared by the kernels' x86 variants (`crate::cpu`): inlined into code that
+/// runs only on CPUs with the instructions each names.
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod simd {
     use std::arch::x86_64::*;
+
+    /// The 8 lanes of `v` summed by one fixed tree: lane `i` + lane `i + 4`, then `+ 2`, `+ 1`.
+    ///
+    /// # Safety
+    /// The CPU has AVX.
+    #[inline(always)]
+    pub(crate) unsafe fn reduce8(v: __m256) -> f32 {
+        // SAFETY: register operations; the CPU has AVX (the caller's contract).
+        unsafe {
+            let v4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+            let v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
+            let v1 = _mm_add_ss(v2, _mm_movehdup_ps(v2));
+            _mm_cvtss_f32(v1)
+        }
+    }
 
     /// `out[t]` = the 16 lanes of `v[t]` summed by one fixed tree: lane `i` + lane `i + 8`,
     /// then `+ 4`, `+ 2`, `+ 1`, done for all 16 vectors together by transposing adds.

@@ -28,6 +28,8 @@ use crate::cpu::Isa;
 use crate::error::ModelError;
 
 mod int8;
+#[cfg(target_arch = "x86_64")]
+mod int8_forms;
 mod q8_0;
 pub use int8::Q8Rows;
 pub use q8_0::Q8_0Matrix;
@@ -511,6 +513,7 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     use super::{TileKernel, BLOCK_BYTES, MT, QK};
+    use crate::ops::simd::reduce8;
 
     pub(super) struct Kernel;
 
@@ -584,11 +587,7 @@ mod avx2 {
                     for j in 0..NR {
                         // the portable tree: lane i + lane i + 8 first, then + 4, + 2, + 1
                         let v = _mm256_add_ps(acc[r][j][0], acc[r][j][1]);
-                        let v4 =
-                            _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-                        let v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
-                        let v1 = _mm_add_ss(v2, _mm_movehdup_ps(v2));
-                        sums[r][j] = _mm_cvtss_f32(v1);
+                        sums[r][j] = reduce8(v);
                     }
                 }
             }

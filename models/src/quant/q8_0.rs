@@ -19,6 +19,8 @@
 use half::f16;
 
 use super::int8::{madd, weight_rows, Q8View};
+#[cfg(target_arch = "x86_64")]
+use super::int8_forms;
 use super::{BlockRows, KernelSet, TileKernel, MT, QK};
 use crate::cpu::Isa;
 use crate::error::ModelError;
@@ -93,10 +95,10 @@ struct Kernels;
 impl KernelSet<Q8View<'_>> for Kernels {
     type Portable = portable::Kernel;
     #[cfg(target_arch = "x86_64")]
-    type Avx2 = avx2::Kernel;
-    // AVX-512 CPUs run the AVX2 form (compiled with their wider feature set, and VNNI).
+    type Avx2 = int8_forms::Avx2<avx2::Q8_0Tile>;
+    // AVX-512 CPUs run the 256-bit tile too (compiled with their wider feature set, and VNNI).
     #[cfg(target_arch = "x86_64")]
-    type Avx512 = avx2::Kernel512;
+    type Avx512 = int8_forms::Avx512<avx2::Q8_0Tile>;
 }
 
 /// Checks a tile's arguments once for both variants. Returns `(k, nb)`.
@@ -194,137 +196,23 @@ mod portable {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{tile_shape, Q8View, TileKernel, BLOCK_BYTES, MT, QK};
-    use crate::cpu::{vnni_for, Isa, Vnni};
+    use super::{tile_shape, Q8View, BLOCK_BYTES, MT, QK};
+    use crate::ops::simd::reduce8;
+    use crate::quant::int8_forms::{IntTile, EVEX, VEX};
 
-    /// The AVX2 variant.
-    pub(in crate::quant) struct Kernel;
-    /// The AVX-512 variant: the same 256-bit code, with AVX512-VNNI where present.
-    pub(in crate::quant) struct Kernel512;
+    /// The Q8_0 tile in its x86 forms (`crate::quant::int8_forms`).
+    pub(in crate::quant) struct Q8_0Tile;
 
-    /// How the four-product integer sums are formed.
-    const PAIR: u8 = 0;
-    const VEX: u8 = 1;
-    const EVEX: u8 = 2;
-
-    impl TileKernel<Q8View<'_>> for Kernel {
-        const INPUT_ROWS: usize = 4;
-
+    impl IntTile for Q8_0Tile {
         #[inline(always)]
-        fn weight_rows(mt: usize, left: usize) -> usize {
-            super::weight_rows(mt, left)
-        }
-
-        /// # Safety
-        /// The CPU has AVX2, FMA and F16C.
-        #[inline(always)]
-        unsafe fn tile<const NR: usize, const M: usize>(
+        unsafe fn tile<const NR: usize, const M: usize, const DOT: u8>(
             rows: [&[u8]; NR],
             xt: Q8View<'_>,
             sums: &mut [[f32; 4]; MT],
         ) {
-            // SAFETY: the caller's contract; `vnni_for` answers `Vex` only on a CPU with AVX-VNNI.
-            unsafe {
-                match vnni_for(Isa::Avx2) {
-                    Vnni::Vex => tile_avxvnni::<NR, M>(rows, xt, sums),
-                    _ => tile_with::<NR, M, PAIR>(rows, xt, sums),
-                }
-            }
+            // SAFETY: the caller's contract.
+            unsafe { tile_with::<NR, M, DOT>(rows, xt, sums) }
         }
-    }
-
-    impl TileKernel<Q8View<'_>> for Kernel512 {
-        const INPUT_ROWS: usize = 4;
-
-        #[inline(always)]
-        fn weight_rows(mt: usize, left: usize) -> usize {
-            super::weight_rows(mt, left)
-        }
-
-        /// # Safety
-        /// The CPU has AVX-512 F/BW/VL/DQ, AVX2, FMA and F16C.
-        #[inline(always)]
-        unsafe fn tile<const NR: usize, const M: usize>(
-            rows: [&[u8]; NR],
-            xt: Q8View<'_>,
-            sums: &mut [[f32; 4]; MT],
-        ) {
-            // SAFETY: the caller's contract; `vnni_for` answers `Evex` only on a CPU with
-            // AVX512-VNNI.
-            unsafe {
-                match vnni_for(Isa::Avx512) {
-                    Vnni::Evex => tile_avx512vnni::<NR, M>(rows, xt, sums),
-                    _ => tile_with::<NR, M, PAIR>(rows, xt, sums),
-                }
-            }
-        }
-    }
-
-    /// # Safety
-    /// The CPU has AVX2, FMA, F16C and AVX-VNNI.
-    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
-    unsafe fn tile_avxvnni<const NR: usize, const M: usize>(
-        rows: [&[u8]; NR],
-        xt: Q8View<'_>,
-        sums: &mut [[f32; 4]; MT],
-    ) {
-        // SAFETY: the caller's contract.
-        unsafe { tile_with::<NR, M, VEX>(rows, xt, sums) }
-    }
-
-    /// # Safety
-    /// The CPU has AVX-512 F/BW/VL/DQ and VNNI, AVX2, FMA and F16C.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
-    unsafe fn tile_avx512vnni<const NR: usize, const M: usize>(
-        rows: [&[u8]; NR],
-        xt: Q8View<'_>,
-        sums: &mut [[f32; 4]; MT],
-    ) {
-        // SAFETY: the caller's contract.
-        unsafe { tile_with::<NR, M, EVEX>(rows, xt, sums) }
-    }
-
-    /// The tile in every form this CPU runs (tests): `(name, sums)`.
-    #[cfg(test)]
-    pub(in crate::quant) fn every_form<const NR: usize, const M: usize>(
-        rows: [&[u8]; NR],
-        xt: Q8View<'_>,
-    ) -> Vec<(&'static str, [[f32; 4]; MT])> {
-        let has = |f: &str| match f {
-            "avx2" => Isa::Avx2.supported(),
-            "avxvnni" => is_x86_feature_detected!("avxvnni"),
-            _ => is_x86_feature_detected!("avx512vnni") && Isa::Avx512.supported(),
-        };
-        let mut out = Vec::new();
-        let mut run = |name, f: crate::quant::int8::TileFn<NR>| {
-            let mut sums = [[0f32; 4]; MT];
-            // SAFETY: each form runs only where the CPU has its instructions (`has`).
-            unsafe { f(rows, xt, &mut sums) };
-            out.push((name, sums));
-        };
-        if has("avx2") {
-            run("pair", pair::<NR, M>);
-        }
-        if has("avxvnni") {
-            run("avxvnni", tile_avxvnni::<NR, M>);
-        }
-        if has("avx512vnni") {
-            run("avx512vnni", tile_avx512vnni::<NR, M>);
-        }
-        out
-    }
-
-    /// # Safety
-    /// The CPU has AVX2, FMA and F16C.
-    #[cfg(test)]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn pair<const NR: usize, const M: usize>(
-        rows: [&[u8]; NR],
-        xt: Q8View<'_>,
-        sums: &mut [[f32; 4]; MT],
-    ) {
-        // SAFETY: the caller's contract.
-        unsafe { tile_with::<NR, M, PAIR>(rows, xt, sums) }
     }
 
     /// The tile with the integer sums formed as `DOT` says.
@@ -377,11 +265,7 @@ mod avx2 {
             for r in 0..M {
                 for j in 0..NR {
                     // the portable tree: lane l + lane l + 4, then + 2, + 1
-                    let v = acc[r][j];
-                    let v4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-                    let v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
-                    let v1 = _mm_add_ss(v2, _mm_movehdup_ps(v2));
-                    sums[r][j] = _mm_cvtss_f32(v1);
+                    sums[r][j] = reduce8(acc[r][j]);
                 }
             }
         }
@@ -391,6 +275,8 @@ mod avx2 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[cfg(target_arch = "x86_64")]
+    use crate::quant::int8_forms::assert_every_form_matches;
     use crate::quant::tests::random_input;
     use crate::quant::TileInput;
 
@@ -457,21 +343,7 @@ mod tests {
         let xq = Q8Rows::quantize(&x, cols);
         let rows4 = [w.row(0), w.row(1), w.row(2), w.row(3)];
         fn check<const NR: usize, const M: usize>(rows: [&[u8]; NR], xt: Q8View<'_>) -> usize {
-            let mut want = [[0f32; 4]; MT];
-            portable::tile::<NR, M>(rows, xt, &mut want);
-            let forms = avx2::every_form::<NR, M>(rows, xt);
-            for (name, got) in &forms {
-                for r in 0..M {
-                    for j in 0..NR {
-                        assert_eq!(
-                            got[r][j].to_bits(),
-                            want[r][j].to_bits(),
-                            "{name} NR={NR} M={M} ({r}, {j})"
-                        );
-                    }
-                }
-            }
-            forms.len()
+            assert_every_form_matches::<avx2::Q8_0Tile, NR, M>(rows, xt, portable::tile::<NR, M>)
         }
         let v = xq.view();
         check::<1, 1>([rows4[0]], v.rows(0, 1, cols));

@@ -210,8 +210,8 @@ struct Segment<'s> {
     stride: usize,
 }
 
-/// How a tile scores a query against a block's keys: `sc[t] = q · k_t` for the `nt` keys
-/// `k_t = kb[t * stride..][..q.len()]`.
+/// How a tile scores a query against a segment's keys: `sc[t] = q · k_t` for the `nt` keys
+/// `k_t = kb[t * stride..][..q.len()]` (each key's score on its own: exactly `nt` written).
 trait Scores {
     /// # Safety
     /// The CPU runs the implementation's instruction set.

@@ -167,15 +167,8 @@ impl<S: KvSource + ?Sized> ChecksumBackend for CpuBackend<'_, S> {
 
 /// Checks that the memory of a layer is what the job expects and that the kernel may index it.
 fn check_layer(kv: &LayerKv<'_>, layer: &LayerJob) -> Result<(), KvChecksumError> {
+    check_layer_shape(&kv.layout, layer)?;
     let lay = &kv.layout;
-    if *lay != layer.layout {
-        return Err(KvChecksumError::InvalidJob(format!(
-            "layer {} is laid out as {:?}, the job expects {:?}",
-            layer.source_index, lay, layer.layout
-        )));
-    }
-    lay.validate()
-        .map_err(|e| KvChecksumError::InvalidJob(format!("layer {}: {e}", layer.source_index)))?;
     let total = lay
         .num_blocks
         .checked_mul(lay.block_bytes())
@@ -187,6 +180,21 @@ fn check_layer(kv: &LayerKv<'_>, layer: &LayerJob) -> Result<(), KvChecksumError
             kv.array_len(),
         )));
     }
+    Ok(())
+}
+
+/// Checks what every backend needs of a layer whatever memory holds it: laid out as the job
+/// expects, a valid layout, rows of whole 8-byte pieces per token, heads within the per-layer
+/// bound. Backends check their memory's extent themselves.
+pub fn check_layer_shape(lay: &BlockLayout, layer: &LayerJob) -> Result<(), KvChecksumError> {
+    if *lay != layer.layout {
+        return Err(KvChecksumError::InvalidJob(format!(
+            "layer {} is laid out as {:?}, the job expects {:?}",
+            layer.source_index, lay, layer.layout
+        )));
+    }
+    lay.validate()
+        .map_err(|e| KvChecksumError::InvalidJob(format!("layer {}: {e}", layer.source_index)))?;
     if pieces_per_token(lay.head_dim, lay.dtype).is_none() {
         return Err(KvChecksumError::InvalidJob(format!(
             "layer {}: a token's K and V rows ({} bytes) are not whole 8-byte pieces",
@@ -205,7 +213,8 @@ fn check_layer(kv: &LayerKv<'_>, layer: &LayerJob) -> Result<(), KvChecksumError
     Ok(())
 }
 
-fn check_block(lay: &BlockLayout, b: &BlockJob) -> Result<(), KvChecksumError> {
+/// Checks that a block job lies within a pool laid out as `lay`.
+pub fn check_block(lay: &BlockLayout, b: &BlockJob) -> Result<(), KvChecksumError> {
     let ok = b.block_id < lay.num_blocks
         && b.token_begin <= b.token_end
         && b.first_slot

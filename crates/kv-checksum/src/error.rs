@@ -25,6 +25,9 @@ pub enum KvChecksumError {
     /// layout that differs from the memory's, output of the wrong size).
     #[error("invalid checksum job: {0}")]
     InvalidJob(String),
+    /// A backend that runs the job elsewhere (a GPU) failed to run it.
+    #[error("checksum backend failed: {0}")]
+    Backend(String),
     /// The KV source has no layer with this index.
     #[error("the KV source has no layer {0}")]
     MissingLayer(usize),

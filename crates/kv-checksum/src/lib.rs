@@ -61,7 +61,10 @@ pub mod verdict;
 pub mod wire;
 pub mod worker;
 
-pub use backend::{BlockJob, ChecksumBackend, CpuBackend, GroupJob, KvSource, LayerJob};
+pub use backend::{
+    check_block, check_layer_shape, BlockJob, ChecksumBackend, CpuBackend, GroupJob, KvSource,
+    LayerJob,
+};
 pub use definition::{
     head_factor, layer_fingerprint, piece_weight, pieces_per_token, MAX_KV_HEADS_PER_LAYER,
     PIECE_BYTES,

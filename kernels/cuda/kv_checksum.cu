@@ -1,9 +1,9 @@
 // Tandem's fused KV checksum kernel: the partial checksums of one KV cache group over some cache
 // blocks, read straight from the paged cache in device memory.
 //
-// For every (layer, block job) of a launch, one thread block sums m * x_j * (2j + 1) over the
-// block's tokens, the layer's KV heads, and the K then V pieces of each token's rows, and adds the
-// sum to out[column * num_blocks + block] with one 64-bit atomic add (all arithmetic wraps mod
+// For every block job and group of layers of a launch, one thread block sums m * x_j * (2j + 1)
+// over the block's tokens, the layers' KV heads, and the K then V pieces of each token's rows, and
+// adds the sum to out[column * num_blocks + block] with one 64-bit atomic add (all arithmetic wraps mod
 // 2^64, so the order of the additions does not change the result). The definition is the one of
 // crates/kv-checksum: piece j = t * P + p of the token at request position t, P pieces per token
 // (its K row then its V row), m = 2 * (layer * 2^16 + head) + 1.
@@ -65,9 +65,11 @@ __device__ __forceinline__ uint64_t warp_sum(uint64_t x) {
     return x;
 }
 
-// Adds the thread block's sum of `acc` to *dst (one atomic per thread block).
+// Adds the thread block's sum of `acc` to *dst (one atomic per thread block). Every thread of the
+// block calls it at the same point.
 __device__ __forceinline__ void block_add(uint64_t acc, unsigned long long* dst) {
     __shared__ uint64_t partial[TANDEM_THREADS / 32];
+    __syncthreads();  // a previous call's reads of `partial` are over
     acc = warp_sum(acc);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (lane == 0) partial[warp] = acc;
@@ -93,12 +95,8 @@ __device__ __forceinline__ void token_offsets(const Launch& L, const BlockDesc& 
 // `row_vecs = row_bytes / (8 * VEC)` threads reads one row; the block's threads cover
 // `rows_per_pass` rows at a time, in the order (K or V, token, head).
 template <int VEC>
-__device__ __forceinline__ void checksum_rows(const Launch& L, unsigned long long* out) {
-    extern __shared__ uint32_t off[];
-    const BlockDesc b = L.blocks[blockIdx.x];
-    const LayerDesc ly = L.layers[blockIdx.y];
-    token_offsets(L, b, off);
-
+__device__ __forceinline__ uint64_t rows_sum(const Launch& L, const BlockDesc& b,
+                                             const LayerDesc& ly, const uint32_t* off) {
     const uint32_t row_vecs = L.row_bytes / (8 * VEC);
     const uint32_t team = row_vecs < blockDim.x ? row_vecs : blockDim.x;
     const uint32_t rows_per_pass = blockDim.x / team;
@@ -114,39 +112,78 @@ __device__ __forceinline__ void checksum_rows(const Launch& L, unsigned long lon
         uint32_t h = r % heads, u = (r / heads) % b.n, kv = r / (heads * b.n);
         const uint32_t step_h = rows_per_pass % heads, step_u = rows_per_pass / heads;
         const uint64_t block_base = (uint64_t)b.block_id * L.block_stride;
-        for (; r < rows; r += rows_per_pass) {
-            const uint64_t base = (kv ? ly.v : ly.k) + block_base + off[u] + h * L.head_stride;
-            const uint64_t m = 2 * (((uint64_t)ly.layer_number << 16) + ly.head_base + h) + 1;
-            // Piece index of this row's first piece in the request, then weights 2j + 1.
-            const uint64_t j0 = (b.t0 + u) * pieces_per_token + kv * row_pieces;
-            for (uint32_t c = lane; c < row_vecs; c += team) {
-                const uint64_t j = j0 + (uint64_t)c * VEC;
+        const uint64_t m_base = 2 * (((uint64_t)ly.layer_number << 16) + ly.head_base) + 1;
+        if (row_vecs <= blockDim.x) {
+            // The common case: this thread reads one load's worth of each of its rows. Addresses
+            // and weights of UNROLL rows first, then their loads, so they are in flight together.
+            constexpr int UNROLL = 4;
+            for (; r < rows; r += UNROLL * rows_per_pass) {
+                uint64_t addr[UNROLL], w[UNROLL], m[UNROLL];
+#pragma unroll
+                for (int k = 0; k < UNROLL; ++k) {
+                    const bool live = r + k * rows_per_pass < rows;
+                    addr[k] = live ? (kv ? ly.v : ly.k) + block_base + off[u] + h * L.head_stride +
+                                         8ull * VEC * lane
+                                   : 0;
+                    m[k] = m_base + 2ull * h;
+                    w[k] = 2 * ((b.t0 + u) * pieces_per_token + kv * row_pieces + VEC * lane) + 1;
+                    h += step_h;
+                    u += step_u;
+                    if (h >= heads) { h -= heads; u += 1; }
+                    while (u >= b.n) { u -= b.n; kv += 1; }
+                }
                 if (VEC == 2) {
-                    const ulonglong2 x = __ldg(reinterpret_cast<const ulonglong2*>(base + 16ull * c));
-                    acc += m * (x.x * (2 * j + 1) + x.y * (2 * j + 3));
+                    ulonglong2 x[UNROLL];
+#pragma unroll
+                    for (int k = 0; k < UNROLL; ++k)
+                        x[k] = addr[k] ? __ldg(reinterpret_cast<const ulonglong2*>(addr[k]))
+                                       : make_ulonglong2(0, 0);
+#pragma unroll
+                    for (int k = 0; k < UNROLL; ++k)
+                        acc += m[k] * (x[k].x * w[k] + x[k].y * (w[k] + 2));
                 } else {
-                    const uint64_t x = __ldg(reinterpret_cast<const unsigned long long*>(base + 8ull * c));
-                    acc += m * (x * (2 * j + 1));
+                    uint64_t x[UNROLL];
+#pragma unroll
+                    for (int k = 0; k < UNROLL; ++k)
+                        x[k] = addr[k] ? __ldg(reinterpret_cast<const unsigned long long*>(addr[k]))
+                                       : 0;
+#pragma unroll
+                    for (int k = 0; k < UNROLL; ++k) acc += m[k] * (x[k] * w[k]);
                 }
             }
-            // Advance by rows_per_pass rows.
-            h += step_h;
-            u += step_u;
-            if (h >= heads) { h -= heads; u += 1; }
-            while (u >= b.n) { u -= b.n; kv += 1; }
+        } else {
+            // Rows wider than the block's threads: each thread walks its part of each row.
+            for (; r < rows; r += rows_per_pass) {
+                const uint64_t base = (kv ? ly.v : ly.k) + block_base + off[u] + h * L.head_stride;
+                const uint64_t m = m_base + 2ull * h;
+                // Piece index of this row's first piece in the request, then weights 2j + 1.
+                const uint64_t j0 = (b.t0 + u) * pieces_per_token + kv * row_pieces;
+                for (uint32_t c = lane; c < row_vecs; c += team) {
+                    const uint64_t j = j0 + (uint64_t)c * VEC;
+                    if (VEC == 2) {
+                        const ulonglong2 x =
+                            __ldg(reinterpret_cast<const ulonglong2*>(base + 16ull * c));
+                        acc += m * (x.x * (2 * j + 1) + x.y * (2 * j + 3));
+                    } else {
+                        const uint64_t x =
+                            __ldg(reinterpret_cast<const unsigned long long*>(base + 8ull * c));
+                        acc += m * (x * (2 * j + 1));
+                    }
+                }
+                h += step_h;
+                u += step_u;
+                if (h >= heads) { h -= heads; u += 1; }
+                while (u >= b.n) { u -= b.n; kv += 1; }
+            }
         }
     }
-    block_add(acc, out + (uint64_t)ly.column * L.out_blocks + b.index);
+    return acc;
 }
 
 // Rows of 4 mod 8 bytes: a token's K row and V row are joined into P = row_bytes / 4 pieces
 // (2 * row_bytes / 8), read as 4-byte halves; one thread per (token, head, piece) at a time.
-__device__ __forceinline__ void checksum_joined(const Launch& L, unsigned long long* out) {
-    extern __shared__ uint32_t off[];
-    const BlockDesc b = L.blocks[blockIdx.x];
-    const LayerDesc ly = L.layers[blockIdx.y];
-    token_offsets(L, b, off);
-    const uint32_t halves_per_row = L.row_bytes / 4;
+__device__ __forceinline__ uint64_t joined_sum(const Launch& L, const BlockDesc& b,
+                                               const LayerDesc& ly, const uint32_t* off) {    const uint32_t halves_per_row = L.row_bytes / 4;
     const uint32_t pieces = halves_per_row;  // 2 rows of row_bytes / 4 halves = row_bytes / 4 pieces
     const uint64_t total = (uint64_t)b.n * L.num_heads * pieces;
     const uint64_t block_base = (uint64_t)b.block_id * L.block_stride;
@@ -169,21 +206,44 @@ __device__ __forceinline__ void checksum_joined(const Launch& L, unsigned long l
         const uint64_t m = 2 * (((uint64_t)ly.layer_number << 16) + ly.head_base + h) + 1;
         acc += m * (x * (2 * j + 1));
     }
-    block_add(acc, out + (uint64_t)ly.column * L.out_blocks + b.index);
+    return acc;
 }
 
-// Grid: (block descs, layers); TANDEM_THREADS threads; dynamic shared memory 4 * max n bytes.
+// One thread block per (block desc, group of layers): the block's token offsets are computed
+// once, the layers of the group (blockIdx.y, + gridDim.y, ...) summed, and the sum added to the
+// output once per run of layers with the same column.
+template <typename LayerSum>
+__device__ __forceinline__ void checksum(const Launch& L, unsigned long long* out, LayerSum sum) {
+    extern __shared__ uint32_t off[];
+    const BlockDesc b = L.blocks[blockIdx.x];
+    token_offsets(L, b, off);
+    uint32_t column = L.layers[blockIdx.y].column;
+    uint64_t acc = 0;
+    for (uint32_t l = blockIdx.y; l < L.num_layers; l += gridDim.y) {
+        const LayerDesc ly = L.layers[l];
+        if (ly.column != column) {
+            block_add(acc, out + (uint64_t)column * L.out_blocks + b.index);
+            acc = 0;
+            column = ly.column;
+        }
+        acc += sum(L, b, ly, off);
+    }
+    block_add(acc, out + (uint64_t)column * L.out_blocks + b.index);
+}
+
+// Grid: (block descs, layer groups <= num_layers); TANDEM_THREADS threads; dynamic shared memory
+// 4 * (largest n) bytes.
 extern "C" __global__ void __launch_bounds__(TANDEM_THREADS)
 kv_checksum_rows8(const __grid_constant__ Launch L, unsigned long long* out) {
-    checksum_rows<1>(L, out);
+    checksum(L, out, rows_sum<1>);
 }
 
 extern "C" __global__ void __launch_bounds__(TANDEM_THREADS)
 kv_checksum_rows16(const __grid_constant__ Launch L, unsigned long long* out) {
-    checksum_rows<2>(L, out);
+    checksum(L, out, rows_sum<2>);
 }
 
 extern "C" __global__ void __launch_bounds__(TANDEM_THREADS)
 kv_checksum_joined(const __grid_constant__ Launch L, unsigned long long* out) {
-    checksum_joined(L, out);
+    checksum(L, out, joined_sum);
 }

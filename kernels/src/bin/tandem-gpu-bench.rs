@@ -6,6 +6,7 @@
 //! Usage: `tandem-gpu-bench [--tokens N] [--cache-blocks B] [--iters I] [--arrangement
 //! block-major|per-layer]` (run on the GPU machine by `scripts/gpu_run.sh`).
 
+use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{result, DevicePtr};
 use rand::{Rng, SeedableRng};
 use tandem_kernels::cuda::{CudaChecksums, Device, DeviceKvCache, KvArrangement};
@@ -187,9 +188,9 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     let time = |f: &mut dyn FnMut() -> Result<(), Box<dyn std::error::Error>>| -> Result<f32, Box<dyn std::error::Error>> {
         let mut ms = Vec::with_capacity(args.iters);
         for _ in 0..args.iters + 2 {
-            let start = stream.record_event(None)?;
+            let start = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
             f()?;
-            let end = stream.record_event(None)?;
+            let end = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
             end.synchronize()?;
             ms.push(start.elapsed_ms(&end)?);
         }
@@ -205,12 +206,14 @@ fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
         Ok(())
     })?;
 
+    // A copy of the same byte count between two buffers of its own (a per-layer cache has no
+    // contiguous GiB to read from).
+    let source = stream.alloc_zeros::<u8>(bytes)?;
     let scratch = stream.alloc_zeros::<u8>(bytes)?;
+    let (src, _sync_src) = source.device_ptr(&stream);
     let (dst, _sync) = scratch.device_ptr(&stream);
     let contiguous_ms = time(&mut || {
-        let src = cache.layers()[0].k;
-        // SAFETY: src..src+bytes lies in the cache (it holds more than the request), dst is a
-        // buffer of `bytes`.
+        // SAFETY: two buffers of `bytes` each.
         unsafe { result::memcpy_dtod_async(dst, src, bytes, stream.cu_stream()) }?;
         Ok(())
     })?;

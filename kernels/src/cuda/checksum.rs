@@ -198,7 +198,7 @@ impl CudaChecksums {
             unsafe {
                 result::launch_kernel(
                     function.cu_function(),
-                    (launch.num_blocks, launch.num_layers, 1),
+                    (launch.num_blocks, layer_groups(launch), 1),
                     (THREADS, 1, 1),
                     4 * max_n,
                     self.stream.cu_stream(),
@@ -394,6 +394,18 @@ impl Reader {
         } else {
             self
         }
+    }
+}
+
+/// Thread blocks per block desc along the layers: each sums `num_layers / groups` layers, so big
+/// launches amortize a thread block's set-up and reduction over several layers while small ones
+/// keep every layer its own thread block (enough of them to fill the GPU).
+fn layer_groups(launch: &Launch) -> u32 {
+    const LAYERS_PER_THREAD_BLOCK: u32 = 4;
+    if launch.num_blocks * launch.num_layers >= 4096 {
+        launch.num_layers.div_ceil(LAYERS_PER_THREAD_BLOCK)
+    } else {
+        launch.num_layers
     }
 }
 

@@ -296,6 +296,13 @@ fn plan(cache: &DeviceKvCache, job: &GroupJob<'_>) -> Result<Vec<(Reader, Launch
                 layer.source_index, layer.column, job.columns
             )));
         }
+        if dl.layout.block_bytes() > u32::MAX as usize {
+            // The kernel keeps row offsets within a block as u32.
+            return Err(invalid(&format!(
+                "blocks of {} bytes exceed the kernel's 4 GiB",
+                dl.layout.block_bytes()
+            )));
+        }
         if dl.layout.block_size > MAX_TOKENS_PER_BLOCK {
             return Err(invalid(&format!(
                 "blocks of {} tokens exceed the kernel's {MAX_TOKENS_PER_BLOCK}",

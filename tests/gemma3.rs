@@ -112,3 +112,37 @@ async fn a_fault_in_either_group_is_recomputed_to_the_single_instance_answer() {
         common::wait_all_free(&[&pd.prefill, &pd.decode]).await;
     }
 }
+
+/// A single instance holds one block table per group: its sliding-window group frees the
+/// blocks that fall out of the 512-token window. A long prompt prefilled in 128-token chunks
+/// (each chunk after the fourth attends past freed blocks) and decoded answers as the same
+/// prompt in one chunk, and every block of both pools comes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_single_instance_frees_the_sliding_group_out_of_its_window_and_keeps_the_answer() {
+    require_gemma();
+    let prompt = long_prompt();
+    let whole = Server::start("serve", BASE, &[]);
+    let want = greedy_ids(&whole.base, &prompt, 12).await;
+    drop(whole);
+    let mut args = BASE.to_vec();
+    args.extend(["--max-num-batched-tokens", "128"]);
+    let chunked = Server::start("serve", &args, &[]);
+    let got = greedy_ids(&chunked.base, &prompt, 12).await;
+    assert_eq!(
+        got, want,
+        "chunked prefill over the window changed the answer"
+    );
+    for group in ["0", "1"] {
+        let total = chunked
+            .metric("tandem:kv_cache_group_total_blocks", &[("group", group)])
+            .await;
+        assert_eq!(total, Some(256.0), "group {group}");
+    }
+    common::wait_all_free(&[&chunked]).await;
+    for group in ["0", "1"] {
+        let free = chunked
+            .metric("tandem:kv_cache_group_free_blocks", &[("group", group)])
+            .await;
+        assert_eq!(free, Some(256.0), "group {group}");
+    }
+}

@@ -66,13 +66,13 @@ fn step(model: &dyn CausalLm, kv: &KvStorage, seqs: &mut [Seq]) -> f64 {
             query_start: start,
             query_len: n,
             context_len: ctx,
-            block_table: &s.blocks,
+            block_tables: std::slice::from_ref(&s.blocks),
         })
         .collect();
     let batch = ForwardBatch {
         token_ids: &ids,
         positions: &pos,
-        slot_mapping: &slots,
+        slot_mappings: std::slice::from_ref(&slots),
         seqs: &sb,
         logits_indices: &last,
     };

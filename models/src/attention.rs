@@ -40,6 +40,8 @@ pub struct AttentionParams {
     pub scale: f32,
     /// Sliding window (tokens a query sees, itself included); `None` for full attention.
     pub window: Option<usize>,
+    /// The KV cache group of the layer: which of a sequence's block tables it reads.
+    pub kv_group: usize,
 }
 
 /// One layer's cache as the attention reads it (block by block: see [`LayerKv`]).
@@ -142,10 +144,16 @@ pub(crate) fn paged_attention_on(
     let mut tasks = Vec::new();
     for (s, seq) in seqs.iter().enumerate() {
         let needed = seq.context_len.div_ceil(layout.block_size);
+        // The first cache position any of the sequence's queries sees: a sliding group's
+        // table may be null before it.
+        let first_seen = p.window.map_or(0, |w| {
+            (seq.context_len - seq.query_len.min(seq.context_len) + 1).saturating_sub(w)
+        });
+        let table = seq.table(p.kv_group);
         if seq.query_len > seq.context_len
             || seq.query_start + seq.query_len > rows
-            || seq.block_table.len() < needed
-            || seq.block_table[..needed]
+            || table.len() < needed
+            || table[first_seen / layout.block_size..needed]
                 .iter()
                 .any(|&b| b as usize >= layout.num_blocks)
         {
@@ -437,7 +445,7 @@ unsafe fn attend_tile<S: Scores>(
             // place from f32 blocks), or one segment decoded into the scratch.
             f32_segments.clear();
             for b in j0 / bs..j1.div_ceil(bs) {
-                let block = seq.block_table[b] as usize;
+                let block = seq.table(p.kv_group)[b] as usize;
                 let (s0, s1) = ((b * bs).max(j0), ((b + 1) * bs).min(j1));
                 let nt = s1 - s0;
                 match cache {
@@ -679,7 +687,7 @@ mod tests {
                 query_start: start,
                 query_len: n,
                 context_len: c + n,
-                block_table: &tables[i],
+                block_tables: std::slice::from_ref(&tables[i]),
             });
             start += n;
         }
@@ -691,6 +699,7 @@ mod tests {
             head_dim: hd,
             scale: 1.0 / (hd as f32).sqrt(),
             window: case.window,
+            kv_group: 0,
         };
         let cache = LayerCache::from_storage(&storage, 0).unwrap();
         let run = |isa| paged_attention_on(isa, &q, &seq_batches, cache, &p).unwrap();
@@ -824,19 +833,20 @@ mod tests {
             head_dim: 16,
             scale: 0.25,
             window: None,
+            kv_group: 0,
         };
-        let (ta, tb) = ([0u32, 1, 2], [4u32, 5, 6, 7]);
+        let (ta, tb) = (vec![0u32, 1, 2], vec![4u32, 5, 6, 7]);
         let a = SeqBatch {
             query_start: 0,
             query_len: 2,
             context_len: 10,
-            block_table: &ta,
+            block_tables: std::slice::from_ref(&ta),
         };
         let b = SeqBatch {
             query_start: 2,
             query_len: 1,
             context_len: 15,
-            block_table: &tb,
+            block_tables: std::slice::from_ref(&tb),
         };
         let cache = LayerCache::from_storage(&storage, 0).unwrap();
         let both = paged_attention(&q, &[a, b], cache, &p).unwrap();
@@ -897,7 +907,7 @@ mod tests {
             query_start: 0,
             query_len: new,
             context_len: total,
-            block_table: &table,
+            block_tables: std::slice::from_ref(&table),
         };
         let cache = LayerCache::from_storage(&storage, 0).unwrap();
         paged_attention_on(isa, q, &[seq], cache, p)
@@ -929,6 +939,7 @@ mod tests {
                     head_dim: hd,
                     scale: 1.0 / (hd as f32).sqrt(),
                     window,
+                    kv_group: 0,
                 };
                 for isa in Isa::runnable() {
                     for dtype in [CacheDtype::F32, CacheDtype::Bf16] {
@@ -996,13 +1007,14 @@ mod tests {
             head_dim: hd,
             scale: 0.25,
             window: None,
+            kv_group: 0,
         };
         let tables: Vec<Vec<u32>> = (0..6u32).map(|i| (i * 6..i * 6 + 6).collect()).collect();
         let seq = |i: usize, start: usize| SeqBatch {
             query_start: start,
             query_len: 1,
             context_len: 17 + i,
-            block_table: &tables[i],
+            block_tables: std::slice::from_ref(&tables[i]),
         };
         let cache = LayerCache::from_storage(&storage, 0).unwrap();
         let batch: Vec<SeqBatch> = (0..6).map(|i| seq(i, i)).collect();

@@ -112,6 +112,14 @@ impl Features {
     pub fn window(&self, i: usize) -> Option<usize> {
         self.layer_windows.get(i).copied().flatten()
     }
+
+    /// The KV cache group of layer `i` of a model of `num_layers` layers, the same on every
+    /// rank: 0 for full attention, and for sliding-window layers 1 when the model has
+    /// full-attention layers too, else 0.
+    pub fn kv_group(&self, i: usize, num_layers: usize) -> usize {
+        let any_full = (0..num_layers).any(|j| self.window(j).is_none());
+        usize::from(self.window(i).is_some() && any_full)
+    }
 }
 
 /// Hyper-parameters of a model of the shared decoder.
@@ -405,6 +413,7 @@ impl DecoderWeights {
                 head_dim: hd,
                 scale,
                 window: cfg.features.window(i),
+                kv_group: cfg.features.kv_group(i, cfg.num_layers),
             })
             .collect();
         // Storage order: the full-attention group's layers, then the sliding-window group's.
@@ -556,7 +565,7 @@ impl Decoder {
             rope.apply(&mut q, batch.positions, hd);
             rope.apply(&mut k, batch.positions, hd);
             let slot = self.storage_layer[l];
-            kv.write_slots(slot, batch.slot_mapping, &k, &v)?;
+            kv.write_slots(slot, batch.slots(params.kv_group), &k, &v)?;
             let attn =
                 paged_attention(&q, batch.seqs, LayerCache::from_storage(kv, slot)?, params)?;
             let mut o = layer.o.forward(&attn, t)?;
@@ -617,8 +626,9 @@ impl CausalLm for Decoder {
         &self.info
     }
 
-    /// Group 0: the shard's full-attention layers; group 1: its sliding-window layers (left out
-    /// when there are none, as is group 0 when every layer slides).
+    /// Group 0: the shard's full-attention layers; group 1: its sliding-window layers (group 0
+    /// when the whole model slides). A group this shard has no layer of is left out; the ids
+    /// are the model's, the same on every rank ([`Features::kv_group`]).
     fn kv_cache_groups(&self, block_size: usize, dtype: CacheDtype) -> Vec<KvCacheGroup> {
         let names = |sliding: bool| -> Vec<String> {
             self.layer_range
@@ -643,9 +653,10 @@ impl CausalLm for Decoder {
             });
         }
         if !sliding.is_empty() {
-            let window = self.attn.iter().find_map(|p| p.window).unwrap_or(0);
+            let layer = self.attn.iter().find(|p| p.window.is_some());
+            let window = layer.and_then(|p| p.window).unwrap_or(0);
             groups.push(KvCacheGroup {
-                group_id: 1,
+                group_id: layer.map_or(1, |p| p.kv_group),
                 spec: KvCacheSpec::SlidingWindow {
                     block_size,
                     num_kv_heads: self.local_kv_heads,

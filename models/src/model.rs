@@ -2,18 +2,21 @@
 //!
 //! A step flattens the tokens of many sequences (prefill chunks and decode tokens alike) into
 //! one batch. Invariants the engine guarantees and [`ForwardBatch::validate`] checks:
-//! - `token_ids`, `positions` and `slot_mapping` have one entry per token of the batch;
+//! - `token_ids` and `positions`, and each of `slot_mappings`, have one entry per token of the
+//!   batch;
 //! - each sequence's tokens are the contiguous rows `query_start..query_start + query_len`,
 //!   sequences do not overlap, and they are the *last* `query_len` of the `context_len` tokens
 //!   the sequence has in the cache after this step (cache index of row `i` is
 //!   `context_len - query_len + (i - query_start)`);
-//! - the block table covers `context_len` tokens, and each token's slot is the slot of its cache
-//!   index under that block table.
+//! - each sequence has one block table per KV cache group (indexed by group id), or one table
+//!   that every group shares; each covers `context_len` tokens (a sliding-window group's entries
+//!   before the window may be [`NULL_BLOCK`]: the model never reads them), and each token's slot
+//!   in `slot_mappings[t]` is the slot of its cache index under table `t`.
 //!
 //! The model writes every token's K and V to its slot before any attention of that layer reads
 //! the cache, so a sequence attends to its own new tokens (causally) within the same step.
 
-use tandem_kv_cache::{CacheDtype, KvCacheGroup, KvStorage};
+use tandem_kv_cache::{CacheDtype, KvCacheGroup, KvStorage, NULL_BLOCK};
 use tandem_parallel::{ParallelConfig, RankId};
 
 use crate::error::ModelError;
@@ -28,8 +31,21 @@ pub struct SeqBatch<'a> {
     pub query_len: usize,
     /// Tokens in the cache after this step, the new ones included.
     pub context_len: usize,
-    /// Block ids of the sequence, in order: token `j` lives in `block_table[j / block_size]`.
-    pub block_table: &'a [u32],
+    /// Block ids of the sequence per KV cache group (indexed by group id), or one table all
+    /// groups share: in table `t`, token `j` lives in `block_tables[t][j / block_size]`.
+    pub block_tables: &'a [Vec<u32>],
+}
+
+impl<'a> SeqBatch<'a> {
+    /// The block table of KV cache group `group`.
+    pub fn table(&self, group: usize) -> &'a [u32] {
+        let t = if self.block_tables.len() == 1 {
+            0
+        } else {
+            group
+        };
+        self.block_tables.get(t).map_or(&[], Vec::as_slice)
+    }
 }
 
 /// The tokens of one step, flattened over all scheduled sequences.
@@ -38,28 +54,53 @@ pub struct ForwardBatch<'a> {
     pub token_ids: &'a [u32],
     /// RoPE position of each token.
     pub positions: &'a [usize],
-    /// Cache slot of each token: `block * block_size + offset`.
-    pub slot_mapping: &'a [usize],
+    /// Per block table (see [`SeqBatch::block_tables`]): the cache slot of each token,
+    /// `block * block_size + offset`.
+    pub slot_mappings: &'a [Vec<usize>],
     pub seqs: &'a [SeqBatch<'a>],
     /// Rows of the flattened batch whose logits are returned, in this order.
     pub logits_indices: &'a [usize],
 }
 
-impl ForwardBatch<'_> {
+impl<'a> ForwardBatch<'a> {
     pub fn num_tokens(&self) -> usize {
         self.token_ids.len()
+    }
+
+    /// The cache slots of KV cache group `group`'s tokens.
+    pub fn slots(&self, group: usize) -> &'a [usize] {
+        let t = if self.slot_mappings.len() == 1 {
+            0
+        } else {
+            group
+        };
+        self.slot_mappings.get(t).map_or(&[], Vec::as_slice)
     }
 
     /// Checks the invariants of the module docs against a cache with `block_size` tokens per block.
     pub fn validate(&self, block_size: usize, max_positions: usize) -> Result<(), ModelError> {
         let n = self.token_ids.len();
         let bad = |msg: String| Err(ModelError::InvalidBatch(msg));
-        if self.positions.len() != n || self.slot_mapping.len() != n {
+        if self.positions.len() != n || self.slot_mappings.iter().any(|m| m.len() != n) {
             return bad(format!(
-                "{} tokens but {} positions and {} slots",
+                "{} tokens but {} positions and slot mappings of {:?} tokens",
                 n,
                 self.positions.len(),
-                self.slot_mapping.len()
+                self.slot_mappings.iter().map(Vec::len).collect::<Vec<_>>()
+            ));
+        }
+        if self.slot_mappings.is_empty() {
+            return bad("no slot mapping".into());
+        }
+        if let Some(s) = self
+            .seqs
+            .iter()
+            .position(|s| s.block_tables.len() != self.slot_mappings.len())
+        {
+            return bad(format!(
+                "sequence {s} has {} block tables for {} slot mappings",
+                self.seqs[s].block_tables.len(),
+                self.slot_mappings.len()
             ));
         }
         if let Some(&p) = self.positions.iter().find(|&&p| p >= max_positions) {
@@ -82,10 +123,14 @@ impl ForwardBatch<'_> {
                     seq.query_len, seq.context_len
                 ));
             }
-            if seq.block_table.len() * block_size < seq.context_len {
+            if let Some(t) = seq
+                .block_tables
+                .iter()
+                .position(|t| t.len() * block_size < seq.context_len)
+            {
                 return bad(format!(
-                    "sequence {s}: {} blocks cannot hold {} tokens",
-                    seq.block_table.len(),
+                    "sequence {s}: {} blocks of table {t} cannot hold {} tokens",
+                    seq.block_tables[t].len(),
                     seq.context_len
                 ));
             }
@@ -95,13 +140,20 @@ impl ForwardBatch<'_> {
                     return bad(format!("row {row} belongs to two sequences"));
                 }
                 let idx = first + i;
-                let want =
-                    seq.block_table[idx / block_size] as usize * block_size + idx % block_size;
-                if self.slot_mapping[row] != want {
-                    return bad(format!(
-                        "sequence {s} row {row}: slot {} but its block table says {want}",
-                        self.slot_mapping[row]
-                    ));
+                for (t, (table, slots)) in
+                    seq.block_tables.iter().zip(self.slot_mappings).enumerate()
+                {
+                    let block = table[idx / block_size];
+                    if block == NULL_BLOCK {
+                        return bad(format!("sequence {s} row {row}: a null block in table {t}"));
+                    }
+                    let want = block as usize * block_size + idx % block_size;
+                    if slots[row] != want {
+                        return bad(format!(
+                            "sequence {s} row {row}: slot {} but block table {t} says {want}",
+                            slots[row]
+                        ));
+                    }
                 }
             }
         }

@@ -89,13 +89,13 @@ fn teacher_forced(model: &dyn CausalLm, dtype: CacheDtype) -> Agreement {
             query_start: start,
             query_len: s.len(),
             context_len: s.len(),
-            block_table: table,
+            block_tables: std::slice::from_ref(table),
         })
         .collect();
     let batch = ForwardBatch {
         token_ids: &token_ids,
         positions: &positions,
-        slot_mapping: &slots,
+        slot_mappings: std::slice::from_ref(&slots),
         seqs: &seq_batches,
         logits_indices: &wanted,
     };

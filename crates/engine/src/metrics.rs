@@ -10,6 +10,10 @@ pub const NUM_REQUESTS_WAITING_FOR_REMOTE_KV: &str = "tandem:num_requests_waitin
 pub const KV_CACHE_USAGE_PERC: &str = "tandem:kv_cache_usage_perc";
 pub const KV_CACHE_FREE_BLOCKS: &str = "tandem:kv_cache_free_blocks";
 pub const KV_CACHE_TOTAL_BLOCKS: &str = "tandem:kv_cache_total_blocks";
+/// Per KV cache group (label `group`), for hybrid models whose groups have pools of their own.
+pub const KV_CACHE_GROUP_USAGE_PERC: &str = "tandem:kv_cache_group_usage_perc";
+pub const KV_CACHE_GROUP_FREE_BLOCKS: &str = "tandem:kv_cache_group_free_blocks";
+pub const KV_CACHE_GROUP_TOTAL_BLOCKS: &str = "tandem:kv_cache_group_total_blocks";
 pub const PROMPT_TOKENS_TOTAL: &str = "tandem:prompt_tokens_total";
 pub const GENERATION_TOKENS_TOTAL: &str = "tandem:generation_tokens_total";
 pub const REQUEST_SUCCESS_TOTAL: &str = "tandem:request_success_total";
@@ -99,13 +103,28 @@ pub fn describe() {
     );
     describe_gauge!(
         KV_CACHE_USAGE_PERC,
-        "Fraction of KV cache blocks in use (0-1)."
+        "Fraction of KV cache blocks in use (0-1); of the fullest pool when KV cache groups have pools of their own."
     );
     describe_gauge!(
         KV_CACHE_FREE_BLOCKS,
-        "KV cache blocks not held by any request."
+        "KV cache blocks not held by any request (summed over the groups' pools)."
     );
-    describe_gauge!(KV_CACHE_TOTAL_BLOCKS, "KV cache blocks in the pool.");
+    describe_gauge!(
+        KV_CACHE_TOTAL_BLOCKS,
+        "KV cache blocks in the pool (summed over the groups' pools)."
+    );
+    describe_gauge!(
+        KV_CACHE_GROUP_USAGE_PERC,
+        "Fraction of a KV cache group's pool in use (0-1)."
+    );
+    describe_gauge!(
+        KV_CACHE_GROUP_FREE_BLOCKS,
+        "Blocks of a KV cache group's pool not held by any request."
+    );
+    describe_gauge!(
+        KV_CACHE_GROUP_TOTAL_BLOCKS,
+        "Blocks of a KV cache group's pool."
+    );
     describe_gauge!(
         PARALLEL_COLLECTIVE_SECONDS,
         Unit::Seconds,

@@ -114,26 +114,21 @@ impl RankWorker {
             }
         }
         let flat = FlatBatch::build(step, self.block_size);
-        let tables: Vec<&[u32]> = step
-            .scheduled
-            .iter()
-            .map(|s| s.block_table.as_slice())
-            .collect();
         let seqs: Vec<SeqBatch<'_>> = flat
             .seqs
             .iter()
-            .zip(&tables)
-            .map(|(&(query_start, query_len, context_len), table)| SeqBatch {
+            .zip(&step.scheduled)
+            .map(|(&(query_start, query_len, context_len), s)| SeqBatch {
                 query_start,
                 query_len,
                 context_len,
-                block_table: table,
+                block_tables: &s.block_tables,
             })
             .collect();
         let batch = ForwardBatch {
             token_ids: &flat.token_ids,
             positions: &flat.positions,
-            slot_mapping: &flat.slot_mapping,
+            slot_mappings: &flat.slot_mappings,
             seqs: &seqs,
             logits_indices: &flat.logits_indices,
         };

@@ -150,6 +150,10 @@ impl Scheduler {
         eos_token_ids: Vec<u32>,
     ) -> Self {
         metrics::gauge!(m::KV_CACHE_TOTAL_BLOCKS).set(kv.num_blocks() as f64);
+        for g in 0..kv.num_groups() {
+            metrics::gauge!(m::KV_CACHE_GROUP_TOTAL_BLOCKS, "group" => g.to_string())
+                .set(kv.group_pool(g).num_blocks() as f64);
+        }
         Scheduler {
             config,
             kv,
@@ -354,7 +358,7 @@ impl Scheduler {
     }
 
     fn scheduled_request(&mut self, id: u64, num_new: usize) -> ScheduledRequest {
-        let table = self.kv.block_table(id).to_vec();
+        let block_tables = self.kv.block_tables(id);
         let req = self
             .requests
             .get_mut(&id)
@@ -378,7 +382,7 @@ impl Scheduler {
             penalty_context,
             token_ids: req.all_token_ids[start..start + num_new].to_vec(),
             start_position: start,
-            block_table: table,
+            block_tables,
             sample: start + num_new == req.num_tokens(),
             prompt_logprob_targets,
         }
@@ -402,9 +406,15 @@ impl Scheduler {
                 i += 1;
                 continue;
             }
-            let target = req.num_computed_tokens + num_new;
+            let computed = req.num_computed_tokens;
+            let target = computed + num_new;
+            // Blocks that fell out of a sliding window go back first (not while a checksum
+            // reads the request's blocks).
+            if !self.checksum_reads(id) {
+                self.kv.remove_out_of_window(id, computed);
+            }
             let mut admitted = true;
-            while self.kv.allocate(id, target, None).is_none() {
+            while self.kv.allocate(id, target, computed, None).is_none() {
                 // The most recent request not yet scheduled this step (this one included), unless
                 // a checksum reads its blocks.
                 let victim = (i..self.running.len())
@@ -438,7 +448,7 @@ impl Scheduler {
             let req = &self.requests[&id];
             // A request holds blocks here only after its remote load completed (or failed
             // and keeps its verified blocks: it resumes after them).
-            let fresh = self.kv.block_table(id).is_empty();
+            let fresh = self.kv.holds_nothing(id);
             // Prompt logprobs need every prompt position's logits: no prefix hit.
             let prefix = if fresh && req.params.prompt_logprobs.is_none() {
                 self.kv.find_cached_prefix(&req.all_token_ids, &[])
@@ -471,7 +481,7 @@ impl Scheduler {
             };
             if matched.load_async {
                 let total = local_computed + matched.num_external_tokens;
-                if self.kv.allocate(id, total, Some(&prefix)).is_none() {
+                if self.kv.allocate(id, total, total, Some(&prefix)).is_none() {
                     break;
                 }
                 let req = self.requests.get_mut(&id).expect("waiting request exists");
@@ -480,7 +490,9 @@ impl Scheduler {
                 req.num_external_tokens = matched.num_external_tokens;
                 req.status = RequestStatus::WaitingForRemoteKv;
                 req.first_scheduled_at.get_or_insert_with(Instant::now);
-                let table = self.kv.block_table(id).to_vec();
+                // Connectors and checksums see one table: with a connector the engine runs one
+                // table for every group (launch.rs).
+                let table = self.kv.group_table(id, 0).to_vec();
                 let view = Self::connector_view(req);
                 self.connector
                     .update_state_after_alloc(&view, &table, matched.num_external_tokens);
@@ -511,9 +523,12 @@ impl Scheduler {
                 break;
             }
             let num_new = self.chunk_bound(req, remaining.min(budget));
+            if !fresh {
+                self.kv.remove_out_of_window(id, local_computed);
+            }
             if self
                 .kv
-                .allocate(id, local_computed + num_new, Some(&prefix))
+                .allocate(id, local_computed + num_new, local_computed, Some(&prefix))
                 .is_none()
             {
                 break;
@@ -531,7 +546,7 @@ impl Scheduler {
             }
             req.status = RequestStatus::Running;
             req.first_scheduled_at.get_or_insert_with(Instant::now);
-            let table = self.kv.block_table(id).to_vec();
+            let table = self.kv.group_table(id, 0).to_vec();
             self.connector
                 .update_state_after_alloc(&Self::connector_view(req), &table, 0);
             self.waiting.pop_front();
@@ -587,7 +602,7 @@ impl Scheduler {
                 .kv_checksum_carrier(&Self::connector_view(req), false)
                 .is_some()
             {
-                t.add_send(id, prompt, self.kv.block_table(id));
+                t.add_send(id, prompt, self.kv.group_table(id, 0));
             }
         }
     }
@@ -796,7 +811,7 @@ impl Scheduler {
         let Some(req) = self.requests.get_mut(&id) else {
             return;
         };
-        let table = self.kv.block_table(id).to_vec();
+        let table = self.kv.group_table(id, 0).to_vec();
         let first_invalid = table.iter().position(|b| invalid_blocks.contains(b));
         let mut bad = failure.is_some() || first_invalid.is_some();
         let mut verified_tokens = match failure {
@@ -834,7 +849,7 @@ impl Scheduler {
         match policy {
             KvLoadFailurePolicy::Fail => {
                 tracing::warn!(request = %req.external_id, policy = policy.as_str(), "KV load failed: {reason}");
-                self.kv.uncache_blocks(&table);
+                self.kv.uncache_blocks(&self.kv.block_tables(id));
                 self.finish_request(
                     id,
                     FinishReason::Error,
@@ -843,9 +858,10 @@ impl Scheduler {
             }
             KvLoadFailurePolicy::Recompute => {
                 // The remote source is forgotten either way; what is kept is verified.
+                // A sliding-window group must hold the window before the resume point.
                 let keep = verified_tokens
                     .filter(|_| self.config.kv_partial_recompute)
-                    .map(|t| t.min(req.num_tokens() - 1))
+                    .map(|t| self.kv.resume_point(id, t.min(req.num_tokens() - 1)))
                     .filter(|&t| t > 0);
                 req.num_external_tokens = 0;
                 req.kv_transfer_params = None;
@@ -940,7 +956,7 @@ impl Scheduler {
             FinishReason::Stop | FinishReason::Length => FinishKind::Normal,
             FinishReason::Abort | FinishReason::Error => FinishKind::Aborted,
         };
-        let table = self.kv.block_table(id).to_vec();
+        let table = self.kv.group_table(id, 0).to_vec();
         let action = self
             .connector
             .request_finished(&Self::connector_view(&req), &table, kind);
@@ -1009,6 +1025,14 @@ impl Scheduler {
             .set(self.remote_waiting.len() as f64);
         metrics::gauge!(m::KV_CACHE_USAGE_PERC).set(self.kv.usage());
         metrics::gauge!(m::KV_CACHE_FREE_BLOCKS).set(self.kv.num_free_blocks() as f64);
+        for g in 0..self.kv.num_groups() {
+            let pool = self.kv.group_pool(g);
+            let group = g.to_string();
+            metrics::gauge!(m::KV_CACHE_GROUP_USAGE_PERC, "group" => group.clone())
+                .set(pool.usage());
+            metrics::gauge!(m::KV_CACHE_GROUP_FREE_BLOCKS, "group" => group)
+                .set(pool.num_free() as f64);
+        }
         let s = self.kv.prefix_cache_stats();
         let (q, h) = self.reported_prefix_stats;
         metrics::counter!(m::PREFIX_CACHE_QUERIES_TOTAL).increment(s.queries - q);
@@ -1055,7 +1079,7 @@ impl Scheduler {
                     "request {id} holds blocks after finishing but is tracked"
                 ));
             }
-            if self.kv.block_table(*id).is_empty() {
+            if self.kv.holds_nothing(*id) {
                 return Err(format!("request {id} is held but holds no block"));
             }
         }
@@ -1070,7 +1094,7 @@ impl Scheduler {
                 ));
             }
         }
-        self.kv.pool().check_invariants()
+        self.kv.check_invariants()
     }
 }
 

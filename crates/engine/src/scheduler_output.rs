@@ -25,7 +25,10 @@ pub struct ScheduledRequest {
     pub token_ids: Vec<u32>,
     /// Position of `token_ids[0]` (the request's computed tokens before this step).
     pub start_position: usize,
-    pub block_table: Vec<BlockId>,
+    /// One block table per KV cache group (indexed by group id), or one all groups share
+    /// (see [`tandem_models::SeqBatch::block_tables`]); a sliding group's entries before its
+    /// window are [`tandem_kv_cache::NULL_BLOCK`].
+    pub block_tables: Vec<Vec<BlockId>>,
     /// The step reaches the request's last known token: sample the next one.
     pub sample: bool,
     /// With prompt logprobs asked: the prompt token each of this step's rows predicts, from the

@@ -17,7 +17,9 @@ pub trait Worker: Send {
 pub struct FlatBatch {
     pub token_ids: Vec<u32>,
     pub positions: Vec<usize>,
-    pub slot_mapping: Vec<usize>,
+    /// Per block table of the step (every request has the same number: one per KV cache group,
+    /// or one all groups share), the cache slot of each token.
+    pub slot_mappings: Vec<Vec<usize>>,
     /// (query_start, query_len, context_len) per scheduled request.
     pub seqs: Vec<(usize, usize, usize)>,
     /// Rows whose logits are returned: the sampled rows, then the prompt-logprob rows.
@@ -33,14 +35,18 @@ impl FlatBatch {
     /// Lays out every scheduled request's tokens one after another.
     pub fn build(step: &SchedulerOutput, block_size: usize) -> FlatBatch {
         let mut b = FlatBatch::default();
+        let num_tables = step.scheduled.first().map_or(1, |s| s.block_tables.len());
+        b.slot_mappings = vec![Vec::new(); num_tables];
         for s in &step.scheduled {
             let start = b.token_ids.len();
             for (i, &t) in s.token_ids.iter().enumerate() {
                 let pos = s.start_position + i;
                 b.token_ids.push(t);
                 b.positions.push(pos);
-                let block = s.block_table[pos / block_size] as usize;
-                b.slot_mapping.push(block * block_size + pos % block_size);
+                for (slots, table) in b.slot_mappings.iter_mut().zip(&s.block_tables) {
+                    let block = table[pos / block_size] as usize;
+                    slots.push(block * block_size + pos % block_size);
+                }
             }
             let n = s.token_ids.len();
             b.seqs.push((start, n, s.start_position + n));

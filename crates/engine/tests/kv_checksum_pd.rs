@@ -309,13 +309,13 @@ impl CausalLm for TinyLm {
         let seqs: Vec<_> = batch
             .seqs
             .iter()
-            .map(|s| (s.query_start, s.query_len, s.context_len, s.block_table))
+            .map(|s| (s.query_start, s.query_len, s.context_len, s.table(0)))
             .collect();
         let next = tiny_forward(
             &Single(kv),
             batch.token_ids,
             batch.positions,
-            batch.slot_mapping,
+            batch.slots(0),
             &seqs,
             batch.logits_indices,
         );
@@ -531,13 +531,13 @@ impl Worker for GridWorker {
             .seqs
             .iter()
             .zip(&step.scheduled)
-            .map(|(&(qs, ql, ctx), s)| (qs, ql, ctx, s.block_table.as_slice()))
+            .map(|(&(qs, ql, ctx), s)| (qs, ql, ctx, s.block_tables[0].as_slice()))
             .collect();
         let next = tiny_forward(
             self.shards.as_ref(),
             &flat.token_ids,
             &flat.positions,
-            &flat.slot_mapping,
+            &flat.slot_mappings[0],
             &seqs,
             &flat.logits_indices,
         );
@@ -1046,7 +1046,7 @@ fn a_local_prefix_hit_compares_only_the_loaded_blocks() {
         // Damage the consumer's own cached copy of block 0: a load that compared it would
         // mismatch, one that compares only what it loaded verifies.
         assert!(
-            c.sched.kv().pool().num_cached() >= 2,
+            c.sched.kv().group_pool(0).num_cached() >= 2,
             "the prefix must be cached"
         );
         let s = c.shards.ranks[0].storage.clone();
@@ -1162,7 +1162,7 @@ fn every_fault_fails_the_request_under_fail_closed_with_policy_fail() {
                 "{kind:?}"
             );
             assert_eq!(
-                c.sched.kv().pool().num_cached(),
+                c.sched.kv().group_pool(0).num_cached(),
                 0,
                 "bad blocks were cached"
             );

@@ -21,7 +21,7 @@ use tandem_engine::{
     EngineError, EngineFault, EngineHandle, FaultyWorker, FinishReason, KvLoadFailurePolicy,
     RequestEvent, SamplingParams, Scheduler, SchedulerConfig, TokenLogprob, Worker,
 };
-use tandem_kv_cache::{BlockId, KvCacheManager};
+use tandem_kv_cache::{BlockId, GroupPoolConfig, KvCacheManager, NULL_BLOCK};
 use tandem_kv_connector::base::{
     ConnectorMetadata, ConnectorOutput, ConnectorRequest, FinishKind, FinishedAction,
     KvConnectorScheduler, MatchedTokens, NoopConnector,
@@ -55,7 +55,14 @@ fn next_token(context: &[u32]) -> u32 {
 
 #[derive(Default)]
 struct MockWorker {
-    slots: HashMap<usize, u32>,
+    /// Token by (block table, slot).
+    slots: HashMap<(usize, usize), u32>,
+    /// With two block tables: the sliding window of table 1 (group 1). The worker reads the
+    /// whole context through table 0 and checks that table 1 holds the same tokens over the
+    /// window of every sampled position.
+    window: Option<usize>,
+    /// The most non-null table-1 blocks a request held, not counting the step's new tokens.
+    max_window_blocks: usize,
     /// Tokens of the step, for chunking checks.
     step_tokens: Vec<usize>,
     /// Prompt-logprob targets of each step: (request, first position, targets).
@@ -86,16 +93,37 @@ impl Worker for MockWorker {
                         .collect(),
                 });
             }
-            for (i, &t) in s.token_ids.iter().enumerate() {
+            let slot =
+                |t: usize, p: usize| s.block_tables[t][p / BLOCK] as usize * BLOCK + p % BLOCK;
+            for (i, &tok) in s.token_ids.iter().enumerate() {
                 let pos = s.start_position + i;
-                let slot = s.block_table[pos / BLOCK] as usize * BLOCK + pos % BLOCK;
-                self.slots.insert(slot, t);
+                for t in 0..s.block_tables.len() {
+                    self.slots.insert((t, slot(t, pos)), tok);
+                }
+            }
+            if let Some(table) = s.block_tables.get(1).filter(|_| self.window.is_some()) {
+                // blocks before this step's: what the request held since the last step
+                let held = table[..s.start_position / BLOCK]
+                    .iter()
+                    .filter(|&&b| b != NULL_BLOCK)
+                    .count();
+                self.max_window_blocks = self.max_window_blocks.max(held + 1);
             }
             if s.sample {
                 let ctx_len = s.start_position + s.token_ids.len();
-                let ctx: Vec<u32> = (0..ctx_len)
-                    .map(|p| self.slots[&(s.block_table[p / BLOCK] as usize * BLOCK + p % BLOCK)])
-                    .collect();
+                let ctx: Vec<u32> = (0..ctx_len).map(|p| self.slots[&(0, slot(0, p))]).collect();
+                if let (Some(w), true) = (self.window, s.block_tables.len() > 1) {
+                    let first = ctx_len.saturating_sub(w);
+                    for (p, tok) in ctx.iter().enumerate().skip(first) {
+                        assert_ne!(s.block_tables[1][p / BLOCK], NULL_BLOCK, "position {p}");
+                        assert_eq!(
+                            self.slots.get(&(1, slot(1, p))),
+                            Some(tok),
+                            "request {} position {p}: the sliding group lost its KV",
+                            s.request_id
+                        );
+                    }
+                }
                 out.sampled.push(SampledToken {
                     request_id: s.request_id,
                     token_id: next_token(&ctx),
@@ -127,6 +155,39 @@ impl Harness {
         Harness {
             sched: Scheduler::new(config, kv, connector, Arc::new(Bytes), vec![EOS]),
             worker: MockWorker::default(),
+            streams: HashMap::new(),
+            next_id: 1,
+        }
+    }
+    /// Two KV cache groups: `full` blocks of full attention, `sliding` blocks of a window of
+    /// `window` tokens.
+    fn hybrid(config: SchedulerConfig, full: usize, sliding: usize, window: usize) -> Self {
+        let kv = KvCacheManager::with_groups(
+            &[
+                GroupPoolConfig {
+                    num_blocks: full,
+                    window: None,
+                },
+                GroupPoolConfig {
+                    num_blocks: sliding,
+                    window: Some(window),
+                },
+            ],
+            BLOCK,
+            true,
+        );
+        Harness {
+            sched: Scheduler::new(
+                config,
+                kv,
+                Box::new(NoopConnector),
+                Arc::new(Bytes),
+                vec![EOS],
+            ),
+            worker: MockWorker {
+                window: Some(window),
+                ..Default::default()
+            },
             streams: HashMap::new(),
             next_id: 1,
         }
@@ -263,6 +324,47 @@ fn preemption_recomputes_without_changing_outputs() {
     for (id, p) in ids.into_iter().zip(&prompts) {
         assert_eq!(h.collect(id).0, solo(p, greedy(14)));
     }
+    h.assert_empty();
+}
+
+#[test]
+fn a_sliding_window_group_holds_only_its_window_and_keeps_every_output() {
+    // window 10, blocks of 4: at most cdiv(10, 4) + 1 = 4 sliding blocks between steps. Long
+    // prompts in small chunks and long decodes, under pressure in both groups: 40 full blocks
+    // (preemption), 20 sliding blocks (5 requests' windows).
+    let config = SchedulerConfig {
+        max_num_batched_tokens: 12,
+        ..Default::default()
+    };
+    let mut h = Harness::hybrid(config, 40, 20, 10);
+    let prompts: Vec<Vec<u32>> = (0..6).map(|i| prompt(20 + i, 9 + 7 * i as usize)).collect();
+    let ids: Vec<u64> = prompts
+        .iter()
+        .map(|p| h.add(p.clone(), greedy(30)))
+        .collect();
+    h.run();
+    assert!(
+        h.worker.max_window_blocks <= 4,
+        "{}",
+        h.worker.max_window_blocks
+    );
+    assert!(h.sched.stats().preemptions > 0, "the test must preempt");
+    for (id, p) in ids.into_iter().zip(&prompts) {
+        assert_eq!(h.collect(id).0, solo(p, greedy(30)), "request {id}");
+    }
+    h.assert_empty();
+    h.sched.check_invariants().unwrap();
+
+    // a prefix hit in both groups gives the same output
+    let p = prompt(40, 30);
+    let first = h.add(p.clone(), greedy(5));
+    h.run();
+    let second = h.add(p.clone(), greedy(5));
+    h.run();
+    let (a, _, _) = h.collect(first);
+    let (b, _, fin) = h.collect(second);
+    assert_eq!(fin.num_cached_tokens, 28);
+    assert_eq!(a, b);
     h.assert_empty();
 }
 
@@ -521,7 +623,7 @@ fn complete_loads_naming_invalid(
                 let t = if invalid.contains(&block) { 7 } else { t };
                 h.worker
                     .slots
-                    .insert(block as usize * BLOCK + pos % BLOCK, t);
+                    .insert((0, block as usize * BLOCK + pos % BLOCK), t);
             }
         }
         out.finished_recving.insert(id);
@@ -608,7 +710,7 @@ fn failed_load_follows_the_policy() {
                 assert_eq!(fin.finish, Some(FinishReason::Error));
                 assert!(matches!(fin.error, Some(EngineError::KvLoadFailed(_))));
                 assert_eq!(
-                    h.sched.kv().pool().num_cached(),
+                    h.sched.kv().group_pool(0).num_cached(),
                     0,
                     "failed load was cached"
                 );

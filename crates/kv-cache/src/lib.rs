@@ -24,6 +24,6 @@ pub use block_pool::{BlockId, BlockPool};
 pub use dtype::CacheDtype;
 pub use error::KvCacheError;
 pub use layout::{BlockLayout, LayerKv, LayoutOrder};
-pub use manager::{CachedPrefix, KvCacheManager, PrefixCacheStats};
+pub use manager::{CachedPrefix, GroupPoolConfig, KvCacheManager, PrefixCacheStats, NULL_BLOCK};
 pub use spec::{KvCacheConfig, KvCacheGroup, KvCacheSpec};
 pub use storage::{KvPart, KvStorage, MemoryRegion};

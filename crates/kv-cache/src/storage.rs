@@ -91,16 +91,30 @@ impl KvStorage {
 
     /// Allocates zeroed K and V arrays in `order` for every layer of every group.
     pub fn with_order(config: &KvCacheConfig, order: LayoutOrder) -> Result<Self, KvCacheError> {
-        if config.num_blocks == 0 {
-            return Err(KvCacheError::InvalidConfig("num_blocks must be > 0".into()));
+        Self::with_group_blocks(config, order, &vec![config.num_blocks; config.groups.len()])
+    }
+
+    /// Allocates zeroed K and V arrays in `order` for every layer of every group, with
+    /// `group_blocks[i]` blocks in each layer of `config.groups[i]` (a hybrid model's groups
+    /// have pools of their own; `config.num_blocks` is not used).
+    pub fn with_group_blocks(
+        config: &KvCacheConfig,
+        order: LayoutOrder,
+        group_blocks: &[usize],
+    ) -> Result<Self, KvCacheError> {
+        if group_blocks.len() != config.groups.len() || group_blocks.contains(&0) {
+            return Err(KvCacheError::InvalidConfig(format!(
+                "every group needs blocks: {group_blocks:?} for {} groups",
+                config.groups.len()
+            )));
         }
         let mut layers = Vec::new();
-        for group in &config.groups {
+        for (group, &num_blocks) in config.groups.iter().zip(group_blocks) {
             let s = &group.spec;
             let layout = BlockLayout {
                 order,
                 ..BlockLayout::token_major(
-                    config.num_blocks,
+                    num_blocks,
                     s.block_size(),
                     s.num_kv_heads(),
                     s.head_dim(),

@@ -66,6 +66,11 @@ pub struct ServeArgs {
     /// Memory for the KV cache, e.g. `512MiB`, `2GiB` or bytes.
     #[arg(long, env = "TANDEM_KV_CACHE_MEMORY", default_value = "1GiB")]
     pub kv_cache_memory: String,
+    /// A hybrid model's sliding-window KV pool, in blocks per full-attention block, when sized
+    /// from `--kv-cache-memory` (capped at what `--max-num-seqs` windows need; SGLang's
+    /// `--swa-full-tokens-ratio`).
+    #[arg(long, env = "TANDEM_SLIDING_WINDOW_POOL_RATIO", default_value_t = 0.8)]
+    pub sliding_window_pool_ratio: f64,
     /// Longest prompt + output (default: the model's context, bounded by the cache).
     #[arg(long, env = "TANDEM_MAX_MODEL_LEN")]
     pub max_model_len: Option<usize>,

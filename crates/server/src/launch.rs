@@ -184,29 +184,24 @@ pub fn build_instance(
         .iter()
         .map(|m| m.kv_cache_groups(args.block_size, cache_dtype))
         .collect();
-    // Every rank holds every block id (its layers and heads of it): a block costs all of them.
-    let per_block: usize = rank_groups
-        .iter()
-        .map(|groups| {
-            KvCacheConfig {
-                num_blocks: 1,
-                groups: groups.clone(),
-            }
-            .bytes_per_block_all_layers()
-        })
-        .sum();
+    // Every rank holds every block id of a group (its layers and heads of it): a block costs
+    // all of them.
     let groups_for_checksums = rank_groups[0].clone();
-    let num_blocks = match args.num_kv_blocks {
-        Some(n) => n,
-        None => {
-            let mem = parse_bytes(&args.kv_cache_memory).map_err(anyhow::Error::msg)?;
-            mem / per_block
-        }
-    };
-    if num_blocks == 0 {
-        bail!("the KV cache holds no block: raise --kv-cache-memory or --num-kv-blocks");
-    }
-    let cache_tokens = num_blocks * args.block_size;
+    let pools = crate::kv_pools::size_pools(
+        &rank_groups,
+        crate::kv_pools::PoolLimits {
+            num_blocks: args.num_kv_blocks,
+            memory: parse_bytes(&args.kv_cache_memory).map_err(anyhow::Error::msg)?,
+            block_size: args.block_size,
+            shared_tables: transfer.is_some(),
+            sliding_ratio: args.sliding_window_pool_ratio,
+            max_num_seqs: args.max_num_seqs.max(1),
+            max_num_batched_tokens: args.max_num_batched_tokens.max(1),
+        },
+    )
+    .map_err(anyhow::Error::msg)?;
+    let num_blocks = pools.blocks_of(0);
+    let cache_tokens = pools.max_tokens(args.block_size);
     let max_model_len = args
         .max_model_len
         .unwrap_or(info.max_position_embeddings)
@@ -222,7 +217,9 @@ pub fn build_instance(
     let storages = rank_groups
         .into_iter()
         .map(|groups| {
-            KvStorage::with_order(&KvCacheConfig { num_blocks, groups }, kv_order).map(Arc::new)
+            let blocks: Vec<usize> = groups.iter().map(|g| pools.blocks_of(g.group_id)).collect();
+            KvStorage::with_group_blocks(&KvCacheConfig { num_blocks, groups }, kv_order, &blocks)
+                .map(Arc::new)
         })
         .collect::<Result<Vec<_>, _>>()?;
     let kv_cache_bytes: usize = storages.iter().map(|s| s.total_bytes()).sum();
@@ -237,6 +234,8 @@ pub fn build_instance(
         weights = %weights,
         kv_cache_dtype = %cache_dtype,
         num_blocks,
+        group_blocks = ?pools.group_blocks,
+        shared_block_table = pools.tables.len() == 1,
         block_size = args.block_size,
         kv_cache_mib = kv_cache_bytes >> 20,
         tp = parallel.tp,
@@ -295,7 +294,7 @@ pub fn build_instance(
     }
     let mut scheduler = Scheduler::new(
         sched_config,
-        KvCacheManager::new(num_blocks, args.block_size, args.enable_prefix_caching),
+        KvCacheManager::with_groups(&pools.tables, args.block_size, args.enable_prefix_caching),
         connector_sched,
         tok.clone(),
         tokenizer.stop_token_ids().to_vec(),

@@ -8,7 +8,8 @@
 //!   [`tokenize`]: `/tokenize`, `/detokenize`, `/version`.
 //! - [`error`]: the one mapping of errors to HTTP status and envelope.
 //! - [`bench`]: `tandem bench`, a load generator for a running endpoint.
-//! - [`launch`]: loading the model, sizing the KV cache, starting engine and server.
+//! - [`launch`]: loading the model, sizing the KV cache, starting engine and server;
+//!   [`kv_pools`]: the KV blocks of each cache group.
 //! - [`probe`]: `tandem health URL`, the healthcheck of container images without curl.
 
 pub mod advertise;
@@ -19,6 +20,7 @@ pub mod extract;
 pub mod fields;
 pub mod generate;
 pub mod guided;
+pub mod kv_pools;
 pub mod launch;
 pub mod probe;
 pub mod protocol;

@@ -147,13 +147,13 @@ pub fn step(
             query_start: start,
             query_len: n,
             context_len: end,
-            block_table: &seqs[s].blocks,
+            block_tables: std::slice::from_ref(&seqs[s].blocks),
         })
         .collect();
     let batch = ForwardBatch {
         token_ids: &token_ids,
         positions: &positions,
-        slot_mapping: &slots,
+        slot_mappings: std::slice::from_ref(&slots),
         seqs: &seq_batches,
         logits_indices: &logits_idx,
     };

@@ -424,6 +424,7 @@ unsafe fn attend_tile<S: Scores>(
     let hi = |i: usize| first + r0 + i + 1;
     let lo = |i: usize| p.window.map_or(0, |w| hi(i).saturating_sub(w));
     let (t_lo, t_hi) = (lo(0), hi(n - 1));
+    let table = seq.table(p.kv_group);
 
     let mut acc = vec![0f32; nq * hd];
     let mut max = vec![f32::NEG_INFINITY; nq];
@@ -445,7 +446,7 @@ unsafe fn attend_tile<S: Scores>(
             // place from f32 blocks), or one segment decoded into the scratch.
             f32_segments.clear();
             for b in j0 / bs..j1.div_ceil(bs) {
-                let block = seq.table(p.kv_group)[b] as usize;
+                let block = table[b] as usize;
                 let (s0, s1) = ((b * bs).max(j0), ((b + 1) * bs).min(j1));
                 let nt = s1 - s0;
                 match cache {

@@ -14,8 +14,8 @@
 //!   window are [`NULL_BLOCK`] (never read or written) and every entry after the first non-null
 //!   one is non-null.
 //! - Allocation is all-or-nothing over all groups: a call that cannot get every block it needs
-//!   in every group allocates nothing (it may still free blocks that fell out of a window:
-//!   those are never needed again).
+//!   in every group changes nothing. Blocks that fell out of a window are freed only by an
+//!   explicit [`KvCacheManager::remove_out_of_window`].
 //! - Only blocks whose KV was computed (or loaded and accepted) are registered in the prefix
 //!   cache, by [`KvCacheManager::cache_full_blocks`]; a failed load is never registered.
 //! - A prefix hit of `n` tokens holds what every group needs to compute token `n`: the
@@ -286,10 +286,11 @@ impl KvCacheManager {
 
     /// Makes request `req`'s tables cover `num_tokens` tokens, of which the first
     /// `num_computed` are (or, for a load, will be) in the cache before this step computes any.
-    /// First frees the blocks that fell out of a sliding window (see
-    /// [`Self::remove_out_of_window`]); then, in each sliding group, entries before the window
-    /// of `num_computed` stay (or become) null and null entries from there on get blocks (a
-    /// request resuming before its window, see [`Self::resume_point`]). On the request's first
+    /// In each sliding group, new entries before the window of `num_computed` stay null and null
+    /// entries from there on get blocks (a request resuming before its window, see
+    /// [`Self::resume_point`]); blocks already held before the window stay until the caller
+    /// frees them with [`Self::remove_out_of_window`] (first, so the allocation can reuse them),
+    /// which it may not do while something still reads them. On the request's first
     /// call, `prefix` (from [`Self::find_cached_prefix`]) becomes the head of its tables.
     /// Returns the newly allocated blocks per group, or None (and allocates nothing) when a
     /// group has too few free blocks.
@@ -301,7 +302,6 @@ impl KvCacheManager {
         prefix: Option<&CachedPrefix>,
     ) -> Option<Vec<Vec<BlockId>>> {
         let is_new = !self.requests.contains_key(&req);
-        self.remove_out_of_window(req, num_computed);
         let total = self.blocks_for(num_tokens);
         let bs = self.block_size;
         let num_groups = self.groups.len();
@@ -575,6 +575,7 @@ mod tests {
         m.allocate(1, 20, 0, None).unwrap(); // a 20-token prefill chunk needs every block
         assert_eq!((held(&m, 1, 0), held(&m, 1, 1)), (5, 5));
         for computed in 20..60 {
+            m.remove_out_of_window(1, computed);
             m.allocate(1, computed + 1, computed, None).unwrap();
             assert_eq!(held(&m, 1, 0), (computed + 1).div_ceil(4));
             assert!(held(&m, 1, 1) <= 3, "{} at {computed}", held(&m, 1, 1));
@@ -623,6 +624,7 @@ mod tests {
         m.allocate(1, 30, 0, None).unwrap();
         m.cache_full_blocks(1, &prompt, 30, &[]);
         // decoding on frees the sliding blocks of the prompt's start
+        m.remove_out_of_window(1, 30);
         m.allocate(1, 31, 30, None).unwrap();
         m.free(1);
         // every block is cached in both groups (freed, not evicted): a 28-token hit

@@ -445,8 +445,8 @@ unsafe fn attend_tile<S: Scores>(
             // The chunk's K and V rows of head g: one segment per block it overlaps (read in
             // place from f32 blocks), or one segment decoded into the scratch.
             f32_segments.clear();
-            for b in j0 / bs..j1.div_ceil(bs) {
-                let block = table[b] as usize;
+            for (b, &block) in table.iter().enumerate().take(j1.div_ceil(bs)).skip(j0 / bs) {
+                let block = block as usize;
                 let (s0, s1) = ((b * bs).max(j0), ((b + 1) * bs).min(j1));
                 let nt = s1 - s0;
                 match cache {

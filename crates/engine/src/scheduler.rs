@@ -490,12 +490,14 @@ impl Scheduler {
                 req.num_external_tokens = matched.num_external_tokens;
                 req.status = RequestStatus::WaitingForRemoteKv;
                 req.first_scheduled_at.get_or_insert_with(Instant::now);
-                // Connectors and checksums see one table: with a connector the engine runs one
-                // table for every group (launch.rs).
-                let table = self.kv.group_table(id, 0).to_vec();
+                // Connectors and checksums see every group's table (or the one all share).
+                let tables = self.kv.block_tables(id);
                 let view = Self::connector_view(req);
-                self.connector
-                    .update_state_after_alloc(&view, &table, matched.num_external_tokens);
+                self.connector.update_state_after_alloc(
+                    &view,
+                    &tables,
+                    matched.num_external_tokens,
+                );
                 if let Some(t) = self.checksums.as_mut() {
                     if let Some(carrier) = self.connector.kv_checksum_carrier(&view, true) {
                         let expected = match carrier {
@@ -509,7 +511,7 @@ impl Scheduler {
                             expected,
                             local_computed,
                             local_computed + matched.num_external_tokens,
-                            &table,
+                            &tables,
                         );
                     }
                 }
@@ -546,9 +548,9 @@ impl Scheduler {
             }
             req.status = RequestStatus::Running;
             req.first_scheduled_at.get_or_insert_with(Instant::now);
-            let table = self.kv.group_table(id, 0).to_vec();
+            let tables = self.kv.block_tables(id);
             self.connector
-                .update_state_after_alloc(&Self::connector_view(req), &table, 0);
+                .update_state_after_alloc(&Self::connector_view(req), &tables, 0);
             self.waiting.pop_front();
             self.running.push(id);
             scheduled.push((id, num_new));
@@ -602,7 +604,7 @@ impl Scheduler {
                 .kv_checksum_carrier(&Self::connector_view(req), false)
                 .is_some()
             {
-                t.add_send(id, prompt, self.kv.group_table(id, 0));
+                t.add_send(id, prompt, &self.kv.block_tables(id));
             }
         }
     }
@@ -806,13 +808,19 @@ impl Scheduler {
         &mut self,
         id: u64,
         mut failure: Option<String>,
-        invalid_blocks: &HashSet<tandem_kv_cache::BlockId>,
+        invalid_blocks: &HashSet<(usize, tandem_kv_cache::BlockId)>,
     ) {
         let Some(req) = self.requests.get_mut(&id) else {
             return;
         };
-        let table = self.kv.group_table(id, 0).to_vec();
-        let first_invalid = table.iter().position(|b| invalid_blocks.contains(b));
+        // The first block position any group names invalid.
+        let first_invalid = self
+            .kv
+            .block_tables(id)
+            .iter()
+            .enumerate()
+            .filter_map(|(g, table)| table.iter().position(|&b| invalid_blocks.contains(&(g, b))))
+            .min();
         let mut bad = failure.is_some() || first_invalid.is_some();
         let mut verified_tokens = match failure {
             None => first_invalid.map(|i| i * self.kv.block_size()),
@@ -956,10 +964,11 @@ impl Scheduler {
             FinishReason::Stop | FinishReason::Length => FinishKind::Normal,
             FinishReason::Abort | FinishReason::Error => FinishKind::Aborted,
         };
-        let table = self.kv.group_table(id, 0).to_vec();
+        let tables = self.kv.block_tables(id);
+        let holds_blocks = !self.kv.holds_nothing(id);
         let action = self
             .connector
-            .request_finished(&Self::connector_view(&req), &table, kind);
+            .request_finished(&Self::connector_view(&req), &tables, kind);
         let mut kv_transfer_params = action.kv_transfer_params;
         let mut had_load = false;
         if let Some(t) = self.checksums.as_mut() {
@@ -988,8 +997,8 @@ impl Scheduler {
         if let Some(params) = kv_transfer_params.as_mut().and_then(Value::as_object_mut) {
             self.connector.seal_transfer_params(params);
         }
-        let delay = action.delay_free && !table.is_empty();
-        let hold = !table.is_empty() && self.checksum_reads(id);
+        let delay = action.delay_free && holds_blocks;
+        let hold = holds_blocks && self.checksum_reads(id);
         if delay {
             self.delayed_free.insert(id);
         }

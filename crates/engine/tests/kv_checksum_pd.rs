@@ -384,7 +384,7 @@ impl KvConnectorScheduler for PdConnector {
     fn update_state_after_alloc(
         &mut self,
         req: &ConnectorRequest<'_>,
-        blocks: &[BlockId],
+        tables: &[Vec<BlockId>],
         n: usize,
     ) {
         if n == 0 || !flag(req, "do_remote_prefill") {
@@ -398,7 +398,8 @@ impl KvConnectorScheduler for PdConnector {
             remote_request_id: p["remote_request_id"].as_u64().unwrap(),
             remote_blocks: serde_json::from_value(p["remote_block_ids"].clone()).unwrap(),
             remote_block_size: p["remote_block_size"].as_u64().unwrap() as usize,
-            local_blocks: blocks.to_vec(),
+            // One table: every group shares it here.
+            local_blocks: tables[0].clone(),
             first_token: prompt - n,
             num_tokens: prompt,
         });
@@ -412,7 +413,7 @@ impl KvConnectorScheduler for PdConnector {
     fn request_finished(
         &mut self,
         req: &ConnectorRequest<'_>,
-        blocks: &[BlockId],
+        tables: &[Vec<BlockId>],
         finish: FinishKind,
     ) -> FinishedAction {
         if !flag(req, "do_remote_decode") || finish != FinishKind::Normal {
@@ -425,7 +426,7 @@ impl KvConnectorScheduler for PdConnector {
                 "do_remote_prefill": true,
                 "remote_engine_id": self.engine_id,
                 "remote_request_id": req.request_id,
-                "remote_block_ids": blocks[..n],
+                "remote_block_ids": tables[0][..n],
                 "remote_block_size": self.block_size,
             })),
         }

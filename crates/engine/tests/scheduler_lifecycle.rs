@@ -564,15 +564,16 @@ impl KvConnectorScheduler for TestConnector {
     fn update_state_after_alloc(
         &mut self,
         req: &ConnectorRequest<'_>,
-        blocks: &[BlockId],
+        tables: &[Vec<BlockId>],
         n: usize,
     ) {
         if n > 0 {
+            // The harness runs one KV cache group.
             self.state
                 .lock()
                 .unwrap()
                 .loads
-                .push((req.request_id, blocks.to_vec(), n));
+                .push((req.request_id, tables[0].clone(), n));
         }
     }
     fn build_connector_meta(&mut self) -> ConnectorMetadata {
@@ -581,7 +582,7 @@ impl KvConnectorScheduler for TestConnector {
     fn request_finished(
         &mut self,
         req: &ConnectorRequest<'_>,
-        _blocks: &[BlockId],
+        _tables: &[Vec<BlockId>],
         finish: FinishKind,
     ) -> FinishedAction {
         let mut s = self.state.lock().unwrap();
@@ -628,7 +629,7 @@ fn complete_loads_naming_invalid(
         }
         out.finished_recving.insert(id);
     }
-    out.invalid_block_ids = invalid.clone();
+    out.invalid_block_ids = invalid.iter().map(|&b| (0, b)).collect();
     let step = h.sched.schedule();
     let mut w = h.worker.execute(&step).unwrap();
     w.connector_output = out;

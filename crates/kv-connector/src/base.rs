@@ -118,8 +118,9 @@ pub struct ConnectorOutput {
     pub finished_recving: HashSet<u64>,
     /// Consumer: loads that failed, with the reason.
     pub failed_recving: HashMap<u64, String>,
-    /// Blocks whose content is known to be bad.
-    pub invalid_block_ids: HashSet<BlockId>,
+    /// Blocks whose content is known to be bad, as (KV cache group, block id) (group 0 where
+    /// every group shares one table).
+    pub invalid_block_ids: HashSet<(usize, BlockId)>,
     /// Consumer, connector-owned carrier: the KV checksums (the encoded payload, as in
     /// [`KV_CHECKSUMS_PARAM`]) received for a load, reported no later than the load's
     /// `finished_recving`. The scheduler takes the first copy.
@@ -295,11 +296,15 @@ pub trait KvConnectorScheduler: Send {
         num_computed_tokens: usize,
     ) -> Result<MatchedTokens, KvConnectorError>;
 
-    /// The request's blocks are allocated; `block_ids` is its whole block table.
+    /// The request's blocks are allocated; `block_tables` are its whole block tables: one per
+    /// KV cache group, by group id (one table: shared by every group), with [`NULL_BLOCK`]
+    /// where a sliding-window group holds no block (before its window).
+    ///
+    /// [`NULL_BLOCK`]: tandem_kv_cache::NULL_BLOCK
     fn update_state_after_alloc(
         &mut self,
         request: &ConnectorRequest<'_>,
-        block_ids: &[BlockId],
+        block_tables: &[Vec<BlockId>],
         num_external_tokens: usize,
     );
 
@@ -309,11 +314,12 @@ pub trait KvConnectorScheduler: Send {
     /// Workers' report for the step.
     fn update_connector_output(&mut self, _output: &ConnectorOutput) {}
 
-    /// A request finished; decide whether its blocks outlive it.
+    /// A request finished; decide whether its blocks outlive it. `block_tables` as in
+    /// [`Self::update_state_after_alloc`].
     fn request_finished(
         &mut self,
         request: &ConnectorRequest<'_>,
-        block_ids: &[BlockId],
+        block_tables: &[Vec<BlockId>],
         finish: FinishKind,
     ) -> FinishedAction;
 
@@ -419,7 +425,7 @@ impl KvConnectorScheduler for NoopConnector {
     fn update_state_after_alloc(
         &mut self,
         _request: &ConnectorRequest<'_>,
-        _block_ids: &[BlockId],
+        _block_tables: &[Vec<BlockId>],
         _num_external_tokens: usize,
     ) {
     }
@@ -429,7 +435,7 @@ impl KvConnectorScheduler for NoopConnector {
     fn request_finished(
         &mut self,
         _request: &ConnectorRequest<'_>,
-        _block_ids: &[BlockId],
+        _block_tables: &[Vec<BlockId>],
         _finish: FinishKind,
     ) -> FinishedAction {
         FinishedAction::default()

@@ -24,7 +24,10 @@
 //!
 //! Invariants of a parsed [`RemotePrefill`] (anything else is
 //! [`KvConnectorError::InvalidTransferParams`], so a forged or malformed value never reaches a
-//! transfer): `remote_block_ids` has exactly `cdiv(prompt_len, block_size)` distinct entries; the
+//! transfer): `remote_block_ids` is one block table (a flat list) or one per KV cache group (a
+//! list of at most [`MAX_KV_GROUPS`] lists, by group id), each with exactly
+//! `cdiv(prompt_len, block_size)` entries, distinct within the table, where only leading entries
+//! may be `null` (blocks a sliding-window group freed before its window) and the last is not; the
 //! ids are non-empty strings of at most [`MAX_ID_LEN`] bytes without control characters; the host
 //! is a plain host name or IP literal; the port is 1..=65535; `tp_size` (the producer's TP size)
 //! is 1 to 1024. Unknown keys are ignored (the checksum feature adds `kv_checksums`). Whether
@@ -33,7 +36,7 @@
 use std::collections::HashSet;
 
 use serde_json::{Map, Value};
-use tandem_kv_cache::BlockId;
+use tandem_kv_cache::{BlockId, NULL_BLOCK};
 
 use crate::config::KvMode;
 use crate::error::KvConnectorError;
@@ -42,8 +45,10 @@ use crate::error::KvConnectorError;
 pub const MAX_ID_LEN: usize = 256;
 /// Longest `remote_host` accepted (a DNS name's limit).
 pub const MAX_HOST_LEN: usize = 253;
-/// Most `remote_block_ids` accepted where the prompt's length is not known.
+/// Most `remote_block_ids` accepted (over every group) where the prompt's length is not known.
 pub const MAX_BLOCK_IDS: usize = 1 << 20;
+/// Most KV cache groups (block tables) in `remote_block_ids`.
+pub const MAX_KV_GROUPS: usize = 16;
 /// Largest `remote_block_size` accepted.
 pub const MAX_BLOCK_SIZE: usize = 1 << 16;
 /// Largest `tp_size` accepted (the producer's tensor-parallel size).
@@ -175,8 +180,10 @@ fn get_host_port(obj: &Map<String, Value>) -> Result<(String, u16), KvConnectorE
 pub struct RemotePrefill {
     pub remote_engine_id: String,
     pub remote_request_id: String,
-    /// The producer's blocks holding the prompt, in prompt order.
-    pub remote_block_ids: Vec<BlockId>,
+    /// The producer's blocks holding the prompt, in prompt order: one table per KV cache group
+    /// (one table: shared by every group), [`NULL_BLOCK`] where it holds none (before a sliding
+    /// window).
+    pub remote_block_ids: Vec<Vec<BlockId>>,
     pub remote_host: String,
     /// The producer's HTTP port (its handshake is served there).
     pub remote_port: u16,
@@ -268,6 +275,110 @@ impl TransferRequest {
     }
 }
 
+/// `remote_block_ids` on the wire: one table as a flat list, several as a list of lists; a
+/// [`NULL_BLOCK`] as `null`.
+pub fn block_tables_value(tables: &[Vec<BlockId>]) -> Value {
+    let table = |t: &Vec<BlockId>| {
+        Value::Array(
+            t.iter()
+                .map(|&b| {
+                    if b == NULL_BLOCK {
+                        Value::Null
+                    } else {
+                        b.into()
+                    }
+                })
+                .collect(),
+        )
+    };
+    match tables {
+        [one] => table(one),
+        many => Value::Array(many.iter().map(table).collect()),
+    }
+}
+
+/// Parses `remote_block_ids` (module docs); `prompt`: (expected entries per table, prompt
+/// length, block size), when known.
+fn parse_block_tables(
+    value: Option<&Value>,
+    prompt: Option<(usize, usize, usize)>,
+) -> Result<Vec<Vec<BlockId>>, KvConnectorError> {
+    let ids = match value {
+        None | Some(Value::Null) => return Err(bad("remote_block_ids is missing")),
+        Some(Value::Array(ids)) => ids,
+        Some(_) => return Err(bad("remote_block_ids must be an array of block ids")),
+    };
+    let nested = ids.first().is_some_and(Value::is_array);
+    let tables: Vec<&Vec<Value>> = if nested {
+        if ids.len() > MAX_KV_GROUPS {
+            return Err(bad(format!(
+                "remote_block_ids names {} KV cache groups (at most {MAX_KV_GROUPS})",
+                ids.len()
+            )));
+        }
+        ids.iter()
+            .map(|t| {
+                t.as_array().ok_or_else(|| {
+                    bad("remote_block_ids must be a list of block ids or a list of such lists")
+                })
+            })
+            .collect::<Result<_, _>>()?
+    } else {
+        vec![ids]
+    };
+    let total: usize = tables.iter().map(|t| t.len()).sum();
+    if prompt.is_none() && (tables.iter().any(|t| t.is_empty()) || total > MAX_BLOCK_IDS) {
+        return Err(bad(format!(
+            "remote_block_ids must hold 1 to {MAX_BLOCK_IDS} block ids per table"
+        )));
+    }
+    tables
+        .iter()
+        .enumerate()
+        .map(|(g, ids)| {
+            let what = if nested {
+                format!("remote_block_ids[{g}]")
+            } else {
+                "remote_block_ids".to_string()
+            };
+            if let Some((expected, prompt_len, block_size)) = prompt {
+                if ids.len() != expected {
+                    return Err(bad(format!(
+                        "{what} has {} entries, but a prompt of {prompt_len} tokens fills \
+                         {expected} blocks of {block_size}",
+                        ids.len()
+                    )));
+                }
+            }
+            let mut seen = HashSet::with_capacity(ids.len());
+            let mut out = Vec::with_capacity(ids.len());
+            for v in ids.iter() {
+                let id = match v {
+                    Value::Null if seen.is_empty() => NULL_BLOCK,
+                    Value::Null => {
+                        return Err(bad(format!(
+                            "{what} holds null after a block: only leading entries may be null"
+                        )))
+                    }
+                    v => v
+                        .as_u64()
+                        .and_then(|n| BlockId::try_from(n).ok())
+                        .filter(|&b| b != NULL_BLOCK)
+                        .ok_or_else(|| bad(format!("{what} holds {v}, not a block id")))?,
+                };
+                if id != NULL_BLOCK && !seen.insert(id) {
+                    return Err(bad(format!("{what} holds block {id} twice")));
+                }
+                out.push(id);
+            }
+            if seen.is_empty() {
+                return Err(bad(format!("{what} holds no block")));
+            }
+            Ok(out)
+        })
+        .collect()
+}
+
 impl RemotePrefill {
     fn from_object(
         obj: &Map<String, Value>,
@@ -305,42 +416,7 @@ impl RemotePrefill {
     ) -> Result<RemotePrefill, KvConnectorError> {
         let remote_engine_id = get_id(obj, "remote_engine_id")?;
         let remote_request_id = get_id(obj, "remote_request_id")?;
-        let remote_block_ids = match obj.get("remote_block_ids") {
-            None | Some(Value::Null) => return Err(bad("remote_block_ids is missing")),
-            Some(Value::Array(ids)) => {
-                match prompt {
-                    Some((expected, prompt_len, block_size)) if ids.len() != expected => {
-                        return Err(bad(format!(
-                            "remote_block_ids has {} entries, but a prompt of {prompt_len} \
-                             tokens fills {expected} blocks of {block_size}",
-                            ids.len()
-                        )));
-                    }
-                    None if ids.is_empty() || ids.len() > MAX_BLOCK_IDS => {
-                        return Err(bad(format!(
-                            "remote_block_ids must hold 1 to {MAX_BLOCK_IDS} block ids"
-                        )));
-                    }
-                    _ => {}
-                }
-                let mut seen = HashSet::with_capacity(ids.len());
-                let mut out = Vec::with_capacity(ids.len());
-                for v in ids {
-                    let id = v
-                        .as_u64()
-                        .and_then(|n| BlockId::try_from(n).ok())
-                        .ok_or_else(|| {
-                            bad(format!("remote_block_ids holds {v}, not a block id"))
-                        })?;
-                    if !seen.insert(id) {
-                        return Err(bad(format!("remote_block_ids holds block {id} twice")));
-                    }
-                    out.push(id);
-                }
-                out
-            }
-            Some(_) => return Err(bad("remote_block_ids must be an array of block ids")),
-        };
+        let remote_block_ids = parse_block_tables(obj.get("remote_block_ids"), prompt)?;
         let (remote_host, remote_port) = get_host_port(obj)?;
         let tp_size = get_uint(obj, "tp_size")?;
         if !(1..=MAX_TP_SIZE).contains(&tp_size) {
@@ -366,7 +442,7 @@ impl RemotePrefill {
             "do_remote_decode": false,
             "remote_engine_id": self.remote_engine_id,
             "remote_request_id": self.remote_request_id,
-            "remote_block_ids": self.remote_block_ids,
+            "remote_block_ids": block_tables_value(&self.remote_block_ids),
             "remote_host": self.remote_host,
             "remote_port": self.remote_port,
             "tp_size": self.tp_size,
@@ -409,8 +485,24 @@ mod tests {
         let TransferRequest::Consumer(r) = parse(&good(), 33).unwrap() else {
             panic!()
         };
-        assert_eq!(r.remote_block_ids, vec![4, 9, 2]);
+        assert_eq!(r.remote_block_ids, vec![vec![4, 9, 2]]);
         assert_eq!(r.remote_port, 8100);
+        assert_eq!(r.to_value()["remote_block_ids"], json!([4, 9, 2]));
+        // A table per KV cache group; a sliding-window group's leading blocks are null.
+        let mut two = good();
+        two["remote_block_ids"] = json!([[4, 9, 2], [null, 4, 7]]);
+        let TransferRequest::Consumer(r2) = parse(&two, 33).unwrap() else {
+            panic!()
+        };
+        assert_eq!(
+            r2.remote_block_ids,
+            vec![vec![4, 9, 2], vec![NULL_BLOCK, 4, 7]]
+        );
+        assert_eq!(r2.to_value()["remote_block_ids"], two["remote_block_ids"]);
+        assert_eq!(
+            RemotePrefill::from_params(&r2.to_value()).unwrap(),
+            r2.clone()
+        );
         // What the producer answers parses back to the same thing (unknown keys ignored).
         assert_eq!(
             parse(&r.to_value(), 48).unwrap(),
@@ -498,6 +590,36 @@ mod tests {
                 with("remote_block_ids", json!(vec![0; 100_000])),
                 33,
                 "100000 entries",
+            ),
+            (
+                with("remote_block_ids", json!([[4, 9, 2], [4, 9]])),
+                33,
+                "remote_block_ids[1] has 2 entries",
+            ),
+            (
+                with("remote_block_ids", json!([[4, 9, 2], 5])),
+                33,
+                "or a list of such lists",
+            ),
+            (
+                with("remote_block_ids", json!([[4, 9, 2], [4, null, 2]])),
+                33,
+                "remote_block_ids[1] holds null after a block",
+            ),
+            (
+                with("remote_block_ids", json!([null, null, null])),
+                33,
+                "remote_block_ids holds no block",
+            ),
+            (
+                with("remote_block_ids", json!([4, 9, 4294967295u64])),
+                33,
+                "holds 4294967295, not a block id",
+            ),
+            (
+                with("remote_block_ids", json!(vec![json!([1, 2, 3]); 17])),
+                33,
+                "names 17 KV cache groups",
             ),
             (without("remote_host"), 33, "remote_host is missing"),
             (with("remote_host", json!("")), 33, "remote_host is empty"),

@@ -283,8 +283,10 @@ fn produce(p: &mut Node, id: u64, prompt: &[u32], blocks: &[BlockId]) -> Value {
         p.sched.get_num_new_matched_tokens(&r, 0).unwrap(),
         MatchedTokens::default()
     );
-    p.sched.update_state_after_alloc(&r, blocks, 0);
-    let a = p.sched.request_finished(&r, blocks, FinishKind::Normal);
+    p.sched.update_state_after_alloc(&r, &[blocks.to_vec()], 0);
+    let a = p
+        .sched
+        .request_finished(&r, &[blocks.to_vec()], FinishKind::Normal);
     assert!(a.delay_free, "a producer holds its blocks");
     a.kv_transfer_params.expect("a producer answers params")
 }
@@ -304,14 +306,16 @@ fn admit(
     assert!(m.load_async);
     assert_eq!(m.num_external_tokens, prompt.len() - local);
     c.sched
-        .update_state_after_alloc(&r, table, m.num_external_tokens);
+        .update_state_after_alloc(&r, &[table.to_vec()], m.num_external_tokens);
     m.num_external_tokens
 }
 
 /// Both sides finish request `cid` / `pid` of a completed P/D round trip.
 fn finish_consumer(c: &mut Node, id: u64, prompt: &[u32], params: &Value, table: &[BlockId]) {
     let r = request(id, prompt, Some(params));
-    let a = c.sched.request_finished(&r, table, FinishKind::Normal);
+    let a = c
+        .sched
+        .request_finished(&r, &[table.to_vec()], FinishKind::Normal);
     assert!(!a.delay_free && a.kv_transfer_params.is_none());
 }
 
@@ -591,7 +595,7 @@ fn a_dead_producer_fails_the_load_with_a_reason_and_never_hangs() {
     assert_eq!(c.seen.stats.failures, 2);
     c.sched.request_finished(
         &request(1, &prompt, Some(&params)),
-        &[3, 4],
+        &[vec![3, 4]],
         FinishKind::Aborted,
     );
     for id in [2, 3] {
@@ -803,7 +807,7 @@ fn ending_a_request_mid_load_or_before_it_releases_every_side() {
     c.step(); // the load reaches the transfer thread
     let a = c.sched.request_finished(
         &request(1, &prompt, Some(&params)),
-        &[4, 5, 6],
+        &[vec![4, 5, 6]],
         FinishKind::Aborted,
     );
     assert!(a.delay_free && a.kv_transfer_params.is_none());
@@ -853,7 +857,7 @@ fn a_request_ending_while_its_read_is_in_flight_keeps_its_blocks_until_it_stops(
     assert_eq!(c.worker().num_jobs(), 1);
     let a = c.sched.request_finished(
         &request(1, &prompt, Some(&params)),
-        &[4, 5, 6],
+        &[vec![4, 5, 6]],
         FinishKind::Aborted,
     );
     assert!(a.delay_free);
@@ -946,7 +950,7 @@ fn replayed_params_and_peers_without_the_secret_are_refused() {
     let r = request(5, &prompt, Some(&params));
     stranger
         .sched
-        .request_finished(&r, &[3, 4], FinishKind::Aborted);
+        .request_finished(&r, &[vec![3, 4]], FinishKind::Aborted);
 
     // The real consumer loads byte for byte.
     admit(&mut c, 10, &prompt, &params, 0, &[3, 4]);
@@ -970,7 +974,8 @@ fn replayed_params_and_peers_without_the_secret_are_refused() {
     assert!(reason.contains("no live lease"), "{reason}");
     assert_blocks_zero(&c.storage, [5, 6]);
     let r = request(11, &prompt, Some(&params));
-    c.sched.request_finished(&r, &[5, 6], FinishKind::Aborted);
+    c.sched
+        .request_finished(&r, &[vec![5, 6]], FinishKind::Aborted);
     c.step();
     stranger.step();
     p.assert_idle();

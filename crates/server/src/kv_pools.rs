@@ -51,7 +51,7 @@ pub struct PoolLimits {
     /// `--kv-cache-memory` in bytes.
     pub memory: usize,
     pub block_size: usize,
-    /// Groups share one table (P/D).
+    /// Groups share one table (push-mode P/D).
     pub shared_tables: bool,
     pub sliding_ratio: f64,
     pub max_num_seqs: usize,

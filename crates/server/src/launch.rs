@@ -193,7 +193,10 @@ pub fn build_instance(
             num_blocks: args.num_kv_blocks,
             memory: parse_bytes(&args.kv_cache_memory).map_err(anyhow::Error::msg)?,
             block_size: args.block_size,
-            shared_tables: transfer.is_some(),
+            // Pull moves a table per group; push still runs one table for every group.
+            shared_tables: transfer
+                .as_ref()
+                .is_some_and(|t| t.kv_mode() == tandem_kv_connector::KvMode::Push),
             sliding_ratio: args.sliding_window_pool_ratio,
             max_num_seqs: args.max_num_seqs.max(1),
             max_num_batched_tokens: args.max_num_batched_tokens.max(1),

@@ -20,7 +20,7 @@ use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use serde_json::Value;
-use tandem_kv_cache::{BlockId, KvCacheGroup, KvCacheSpec};
+use tandem_kv_cache::{BlockId, KvCacheGroup, KvCacheSpec, NULL_BLOCK};
 use tandem_kv_checksum::{
     compare, ChecksumRequest, GroupBlocks, Payload, RecordMerger, UnverifiedReason, Verdict,
 };
@@ -114,8 +114,22 @@ impl ChecksumTracker {
         self.send_timeout
     }
 
-    fn select(&self, table: &[BlockId], first_token: usize, num_tokens: usize) -> ChecksumRequest {
-        let blocks: Vec<Option<usize>> = table.iter().map(|&b| Some(b as usize)).collect();
+    /// `tables`: one per group, by group id, or one every group shares.
+    fn select(
+        &self,
+        tables: &[Vec<BlockId>],
+        first_token: usize,
+        num_tokens: usize,
+    ) -> ChecksumRequest {
+        let tables: Vec<Vec<Option<usize>>> = tables
+            .iter()
+            .map(|t| {
+                t.iter()
+                    .map(|&b| (b != NULL_BLOCK).then_some(b as usize))
+                    .collect()
+            })
+            .collect();
+        let empty = Vec::new();
         let groups: Vec<GroupBlocks<'_>> = self
             .groups
             .iter()
@@ -123,7 +137,10 @@ impl ChecksumTracker {
                 group_id: *group_id,
                 spec,
                 first_position: 0,
-                blocks: &blocks,
+                blocks: match tables.as_slice() {
+                    [shared] => shared,
+                    tables => tables.get(*group_id).unwrap_or(&empty),
+                },
             })
             .collect();
         ChecksumRequest::for_load(first_token, num_tokens, &groups)
@@ -150,9 +167,9 @@ impl ChecksumTracker {
         &mut self,
         request_id: u64,
         num_prompt_tokens: usize,
-        table: &[BlockId],
+        tables: &[Vec<BlockId>],
     ) {
-        let blocks = self.select(table, 0, num_prompt_tokens);
+        let blocks = self.select(tables, 0, num_prompt_tokens);
         let generation = self.generation();
         let merger = self.merger(blocks.clone());
         let old = self.sends.insert(
@@ -187,7 +204,7 @@ impl ChecksumTracker {
         expected: ExpectedChecksums<'_>,
         first_token: usize,
         num_tokens: usize,
-        table: &[BlockId],
+        tables: &[Vec<BlockId>],
     ) {
         let awaiting_connector = matches!(expected, ExpectedChecksums::FromConnector);
         let expected = match expected {
@@ -200,7 +217,7 @@ impl ChecksumTracker {
                 }
             }
         };
-        let blocks = self.select(table, first_token, num_tokens);
+        let blocks = self.select(tables, first_token, num_tokens);
         let fault = self.faults.as_mut().and_then(|(f, rng)| {
             (rng.unit() < f.probability).then(|| BlockFault {
                 kind: f.kind,
@@ -545,10 +562,10 @@ mod tests {
     fn records_of_an_older_generation_never_complete_a_send() {
         let (storage, setup, groups) = instance();
         let mut t = tracker(&groups, WorkerGrid::default());
-        t.add_send(1, 7, &[0, 1]);
+        t.add_send(1, 7, &[vec![0, 1]]);
         let first = t.take_work().sends.remove(0);
         // preempted and prefilled again, into other blocks
-        t.add_send(1, 7, &[4, 5]);
+        t.add_send(1, 7, &[vec![4, 5]]);
         let second = t.take_work().sends.remove(0);
         assert_ne!(first.generation, second.generation);
         t.add_records(vec![record(&storage, &setup, &first, ChecksumSide::Send)]);
@@ -576,7 +593,7 @@ mod tests {
                 pp_size: 1,
             },
         );
-        t.add_send(3, 8, &[2, 3]);
+        t.add_send(3, 8, &[vec![2, 3]]);
         let job = t.take_work().sends.remove(0);
         let r0 = record(&storage, &setup, &job, ChecksumSide::Send);
         t.add_records(vec![r0.clone()]);
@@ -598,14 +615,20 @@ mod tests {
         let (storage, setup, groups) = instance();
         // producer: blocks 0, 1 hold tokens [0, 7)
         let mut p = tracker(&groups, WorkerGrid::default());
-        p.add_send(1, 7, &[0, 1]);
+        p.add_send(1, 7, &[vec![0, 1]]);
         let job = p.take_work().sends.remove(0);
         p.add_records(vec![record(&storage, &setup, &job, ChecksumSide::Send)]);
         let payload = p.finish_send(1, true, "p").unwrap();
         let params = serde_json::json!({ KV_CHECKSUMS_PARAM: payload });
         // consumer: the same KV, loaded into the same blocks, verifies
         let mut c = tracker(&groups, WorkerGrid::default());
-        c.add_load(9, ExpectedChecksums::Params(Some(&params)), 0, 7, &[0, 1]);
+        c.add_load(
+            9,
+            ExpectedChecksums::Params(Some(&params)),
+            0,
+            7,
+            &[vec![0, 1]],
+        );
         let job = c.take_work().recvs.remove(0);
         c.add_records(vec![record(&storage, &setup, &job, ChecksumSide::Recv)]);
         assert_eq!(c.verify_load(9, "c"), Some(LoadCheck::Accept));
@@ -617,7 +640,13 @@ mod tests {
                 ..Default::default()
             };
             let mut c = ChecksumTracker::new(&config, &groups, WorkerGrid::default());
-            c.add_load(9, ExpectedChecksums::Params(Some(&params)), 0, 7, &[5, 6]);
+            c.add_load(
+                9,
+                ExpectedChecksums::Params(Some(&params)),
+                0,
+                7,
+                &[vec![5, 6]],
+            );
             let job = c.take_work().recvs.remove(0);
             c.add_records(vec![record(&storage, &setup, &job, ChecksumSide::Recv)]);
             match c.verify_load(9, "c").unwrap() {
@@ -642,7 +671,13 @@ mod tests {
             ..Default::default()
         };
         let mut c = ChecksumTracker::new(&config, &groups, WorkerGrid::default());
-        c.add_load(9, ExpectedChecksums::Params(Some(&params)), 0, 7, &[0, 6]);
+        c.add_load(
+            9,
+            ExpectedChecksums::Params(Some(&params)),
+            0,
+            7,
+            &[vec![0, 6]],
+        );
         let job = c.take_work().recvs.remove(0);
         c.add_records(vec![record(&storage, &setup, &job, ChecksumSide::Recv)]);
         match c.verify_load(9, "c") {
@@ -665,7 +700,13 @@ mod tests {
             ..Default::default()
         };
         let mut c = ChecksumTracker::new(&config, &groups, WorkerGrid::default());
-        c.add_load(9, ExpectedChecksums::Params(Some(&params)), 0, 7, &[0, 1]);
+        c.add_load(
+            9,
+            ExpectedChecksums::Params(Some(&params)),
+            0,
+            7,
+            &[vec![0, 1]],
+        );
         assert!(matches!(
             c.verify_load(9, "c"),
             Some(LoadCheck::Reject {

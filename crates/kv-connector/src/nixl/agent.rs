@@ -107,6 +107,8 @@ pub struct KvLayerMemory {
     /// The model's KV heads of this cache, in its order.
     pub kv_heads: Vec<u32>,
     pub kv_replica: u32,
+    /// The KV cache group of the layer (its block table).
+    pub group: usize,
 }
 
 /// The layers of every worker's storage, worker by worker, each in storage order.
@@ -148,6 +150,7 @@ pub fn storage_layers(storage: &KvStorage) -> Vec<KvLayerMemory> {
                 pp_rank: 0,
                 kv_heads: (0..layout.num_kv_heads as u32).collect(),
                 kv_replica: 0,
+                group: storage.layer_group(layer),
             }
         })
         .collect()
@@ -415,6 +418,7 @@ impl NixlAgent {
                     len: r.len,
                     block_bytes: l.layout.block_bytes(),
                     num_blocks: l.layout.num_blocks,
+                    group: l.group,
                 });
             }
             let info = |r: MemoryRegion| RegionInfo {
@@ -568,6 +572,8 @@ impl NixlAgent {
                     len: r.len as usize,
                     block_bytes: l.block_bytes,
                     num_blocks: l.num_blocks,
+                    // Transfers pick ids by the local region's group.
+                    group: 0,
                 });
             }
         }

@@ -5,6 +5,10 @@
 //! order (layer 0 K, layer 0 V, layer 1 K, …): descriptor `offset[r] + b` is block `b` of region
 //! `r`, at `addr[r] + b * block_bytes[r]`. Local and remote region `r` are the same (layer, part).
 //!
+//! A transfer's block ids come per KV cache group ([`BlockPairs`]): region `r` moves the pairs of
+//! its layer's group (`RegionGeometry::group`, of the local side), or the one list every group
+//! shares.
+//!
 //! Invariants of a [`TransferPlan`]: both index lists have the same length, pair `i` moves
 //! `block_bytes[r]` bytes, destination blocks are distinct, and pairs are ordered by region and
 //! then by source block so that NIXL's `make_xfer_req` merges runs of blocks that are
@@ -39,6 +43,75 @@ pub struct RegionGeometry {
     pub len: usize,
     pub block_bytes: usize,
     pub num_blocks: usize,
+    /// The KV cache group of the region's layer (read on the local side only).
+    pub group: usize,
+}
+
+/// The block ids of one transfer for one KV cache group: `local[i]` pairs with `remote[i]`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct GroupPairs {
+    pub local: Vec<usize>,
+    pub remote: Vec<usize>,
+}
+
+/// The block ids of one transfer: a [`GroupPairs`] per KV cache group (indexed by group id), or
+/// one that every group shares (the engine runs one block table for all groups).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlockPairs(Vec<GroupPairs>);
+
+impl BlockPairs {
+    /// One list of pairs for every group.
+    pub fn shared(local: Vec<usize>, remote: Vec<usize>) -> Self {
+        BlockPairs(vec![GroupPairs { local, remote }])
+    }
+
+    /// A list of pairs per group, `groups[g]` for group `g` (one entry: shared by all).
+    pub fn per_group(groups: Vec<GroupPairs>) -> Self {
+        if groups.is_empty() {
+            return Self::shared(Vec::new(), Vec::new());
+        }
+        BlockPairs(groups)
+    }
+
+    /// The pairs group `group` moves; `None` for a group the transfer does not know.
+    pub fn group(&self, group: usize) -> Option<&GroupPairs> {
+        match self.0.as_slice() {
+            [shared] => Some(shared),
+            groups => groups.get(group),
+        }
+    }
+
+    pub fn groups(&self) -> &[GroupPairs] {
+        &self.0
+    }
+
+    pub fn groups_mut(&mut self) -> &mut [GroupPairs] {
+        &mut self.0
+    }
+
+    /// Pairs over every group.
+    pub fn num_pairs(&self) -> usize {
+        self.0.iter().map(|g| g.local.len()).sum()
+    }
+
+    /// Checks each group's lists (see [`plan_transfer`]).
+    fn check(&self, dest: Side) -> Result<(), KvConnectorError> {
+        self.0
+            .iter()
+            .try_for_each(|g| check_pairs(&g.local, &g.remote, dest))
+    }
+
+    /// Which of the lists the local region `r` (of `table`) moves: its group's.
+    fn index_of_region(&self, table: &DescTable, r: usize) -> Result<usize, KvConnectorError> {
+        let group = table.regions[r].group;
+        match self.0.len() {
+            1 => Ok(0),
+            n if group < n => Ok(group),
+            n => Err(KvConnectorError::InvalidRegions(format!(
+                "region {r} belongs to KV cache group {group}, but the transfer names {n} groups"
+            ))),
+        }
+    }
 }
 
 /// The regions of one side, and where each starts in its prepared descriptor list.
@@ -103,6 +176,7 @@ impl DescTable {
                     len: r.len,
                     block_bytes: r.block_bytes / ratio,
                     num_blocks: r.num_blocks * ratio,
+                    group: r.group,
                 })
                 .collect(),
         )
@@ -165,7 +239,7 @@ pub struct TransferPlan {
     pub remote_indices: Vec<i32>,
     /// Bytes moved (one direction).
     pub bytes: u64,
-    /// Blocks moved per region (the length of the id lists).
+    /// Block pairs named, over every group (each moves in every region of its group).
     pub blocks: usize,
     /// Descriptors after NIXL merges consecutive blocks.
     pub descriptors: usize,
@@ -206,42 +280,54 @@ fn check_ids(ids: &[usize], num_blocks: usize, side: Side) -> Result<(), KvConne
     }
 }
 
-/// Plans moving blocks `remote_ids[i]` ⇄ `local_ids[i]` of every region. `dest` is the side
-/// written to (local for a READ, remote for a WRITE); its ids must be distinct.
+/// Plans moving, in every region, blocks `remote[i]` ⇄ `local[i]` of the region's group in
+/// `ids`. `dest` is the side written to (local for a READ, remote for a WRITE); its ids must be
+/// distinct within a group. Ids are checked against each region's blocks (groups' pools differ).
 pub fn plan_transfer(
     local: &DescTable,
     remote: &DescTable,
-    local_ids: &[usize],
-    remote_ids: &[usize],
+    ids: &BlockPairs,
     dest: Side,
 ) -> Result<TransferPlan, KvConnectorError> {
-    check_pairs(local_ids, remote_ids, dest)?;
+    ids.check(dest)?;
     local.check_pairs_with(remote)?;
-    check_ids(local_ids, local.num_blocks(), Side::Local)?;
-    check_ids(remote_ids, remote.num_blocks(), Side::Remote)?;
-
     // Source order maximises runs that are consecutive on both sides.
-    let mut pairs: Vec<(usize, usize)> = local_ids
+    let sorted: Vec<Vec<(usize, usize)>> = ids
+        .groups()
         .iter()
-        .copied()
-        .zip(remote_ids.iter().copied())
+        .map(|g| {
+            let mut pairs: Vec<(usize, usize)> = g
+                .local
+                .iter()
+                .copied()
+                .zip(g.remote.iter().copied())
+                .collect();
+            match dest {
+                Side::Local => pairs.sort_unstable_by_key(|&(l, r)| (r, l)),
+                Side::Remote => pairs.sort_unstable(),
+            }
+            pairs
+        })
         .collect();
-    match dest {
-        Side::Local => pairs.sort_unstable_by_key(|&(l, r)| (r, l)),
-        Side::Remote => pairs.sort_unstable(),
-    }
 
-    let n = pairs.len() * local.regions.len();
     let mut plan = TransferPlan {
-        local_indices: Vec::with_capacity(n),
-        remote_indices: Vec::with_capacity(n),
+        local_indices: Vec::new(),
+        remote_indices: Vec::new(),
         bytes: 0,
-        blocks: pairs.len(),
+        blocks: ids.num_pairs(),
         descriptors: 0,
     };
     for (r, region) in local.regions.iter().enumerate() {
+        let g = ids.index_of_region(local, r)?;
+        let pairs = &sorted[g];
+        check_ids(&ids.groups()[g].local, region.num_blocks, Side::Local)?;
+        check_ids(
+            &ids.groups()[g].remote,
+            remote.regions[r].num_blocks,
+            Side::Remote,
+        )?;
         let mut prev: Option<(usize, usize)> = None;
-        for &(l, rm) in &pairs {
+        for &(l, rm) in pairs {
             plan.local_indices.push(local.index(r, l));
             plan.remote_indices.push(remote.index(r, rm));
             plan.bytes += region.block_bytes as u64;
@@ -257,23 +343,19 @@ pub fn plan_transfer(
 
 /// Plans a transfer at unit grain ([`UnitPairing`]): `local` is our table split into
 /// `pairing.local_units()` units per block, `remote` the peer's split into
-/// `pairing.remote_units`. Ids are as in [`plan_transfer`]: `local_ids[i]` (in the peer's block
-/// size, so sub-block `id % ratio` of our block `id / ratio`) pairs with `remote_ids[i]`.
+/// `pairing.remote_units`. Ids are as in [`plan_transfer`], per the local region's group: a
+/// local id (in the peer's block size) is sub-block `id % ratio` of our block `id / ratio`.
 pub fn plan_unit_transfer(
     local: &DescTable,
     remote: &DescTable,
     pairing: &UnitPairing,
-    local_ids: &[usize],
-    remote_ids: &[usize],
+    ids: &BlockPairs,
     dest: Side,
 ) -> Result<TransferPlan, KvConnectorError> {
-    check_pairs(local_ids, remote_ids, dest)?;
+    ids.check(dest)?;
     let (k, lu, ru) = (pairing.ratio, pairing.local_units(), pairing.remote_units);
-    check_ids(local_ids, local.num_blocks() / lu * k, Side::Local)?;
-    check_ids(remote_ids, remote.num_blocks() / ru, Side::Remote)?;
     // (local index, remote index, bytes, region pair)
-    let mut pairs: Vec<(i32, i32, usize, (usize, usize))> =
-        Vec::with_capacity(local_ids.len() * pairing.maps.len());
+    let mut pairs: Vec<(i32, i32, usize, (usize, usize))> = Vec::new();
     for m in &pairing.maps {
         let (lr, rr) = (
             local.regions.get(m.local_region),
@@ -290,7 +372,10 @@ pub fn plan_unit_transfer(
                 m.local_region, lr.block_bytes, m.remote_region, rr.block_bytes
             )));
         }
-        for (&l, &r) in local_ids.iter().zip(remote_ids) {
+        let group = &ids.groups()[ids.index_of_region(local, m.local_region)?];
+        check_ids(&group.local, lr.num_blocks / lu * k, Side::Local)?;
+        check_ids(&group.remote, rr.num_blocks / ru, Side::Remote)?;
+        for (&l, &r) in group.local.iter().zip(&group.remote) {
             let local_unit = (l / k) * lu + m.local_head * k + l % k;
             let remote_unit = r * ru + m.remote_unit;
             pairs.push((
@@ -310,7 +395,7 @@ pub fn plan_unit_transfer(
         local_indices: Vec::with_capacity(pairs.len()),
         remote_indices: Vec::with_capacity(pairs.len()),
         bytes: 0,
-        blocks: local_ids.len(),
+        blocks: ids.num_pairs(),
         descriptors: 0,
     };
     let mut prev: Option<(i32, i32, (usize, usize))> = None;
@@ -339,10 +424,99 @@ mod tests {
                     len: num_blocks * block_bytes,
                     block_bytes,
                     num_blocks,
+                    group: 0,
                 })
                 .collect(),
         )
         .unwrap()
+    }
+
+    fn pairs(local: &[usize], remote: &[usize]) -> BlockPairs {
+        BlockPairs::shared(local.to_vec(), remote.to_vec())
+    }
+
+    #[test]
+    fn each_region_moves_its_groups_pairs_within_its_groups_blocks() {
+        // Layer 0 (regions 0, 1) in group 0 with 8 blocks, layer 1 (regions 2, 3) in group 1
+        // with 3: a sliding-window group's smaller pool.
+        let side = |base: usize| {
+            DescTable::new(
+                [(0, 8), (0, 8), (1, 3), (1, 3)]
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &(group, num_blocks))| RegionGeometry {
+                        addr: base + 0x1000 * i,
+                        len: num_blocks * 16,
+                        block_bytes: 16,
+                        num_blocks,
+                        group,
+                    })
+                    .collect(),
+            )
+            .unwrap()
+        };
+        let (local, remote) = (side(0x10000), side(0x90000));
+        let ids = BlockPairs::per_group(vec![
+            GroupPairs {
+                local: vec![5, 6, 7],
+                remote: vec![1, 2, 3],
+            },
+            GroupPairs {
+                local: vec![2],
+                remote: vec![0],
+            },
+        ]);
+        let p = plan_transfer(&local, &remote, &ids, Side::Local).unwrap();
+        assert_eq!(p.bytes, (3 + 3 + 1 + 1) * 16);
+        assert_eq!(p.blocks, 4);
+        assert_eq!(p.descriptors, 4);
+        assert_eq!(
+            p.local_indices,
+            [5, 6, 7, 8 + 5, 8 + 6, 8 + 7, 16 + 2, 16 + 3 + 2]
+        );
+        assert_eq!(p.remote_indices, [1, 2, 3, 9, 10, 11, 16, 16 + 3]);
+        // A full-group id beyond the sliding pool is fine in group 0, out of range in group 1.
+        let over = BlockPairs::per_group(vec![
+            GroupPairs {
+                local: vec![5],
+                remote: vec![6],
+            },
+            GroupPairs {
+                local: vec![5],
+                remote: vec![0],
+            },
+        ]);
+        assert!(matches!(
+            plan_transfer(&local, &remote, &over, Side::Local),
+            Err(KvConnectorError::BlockOutOfRange {
+                side: Side::Local,
+                block: 5,
+                num_blocks: 3
+            })
+        ));
+        // One shared list moves in every region; a list per group must name every group.
+        let shared = plan_transfer(&local, &remote, &pairs(&[1], &[2]), Side::Local).unwrap();
+        assert_eq!(shared.local_indices, [1, 9, 17, 20]);
+        let one_of_two = BlockPairs::per_group(vec![GroupPairs::default(); 1]);
+        assert!(plan_transfer(&local, &remote, &one_of_two, Side::Local).is_ok());
+        let three = BlockPairs::per_group(vec![GroupPairs::default(); 3]);
+        assert!(plan_transfer(&local, &remote, &three, Side::Local).is_ok());
+        let local_one_group = DescTable::new(
+            (0..4)
+                .map(|i| RegionGeometry {
+                    addr: 0x10000 * (i + 1),
+                    len: 8 * 16,
+                    block_bytes: 16,
+                    num_blocks: 8,
+                    group: i / 2 * 2,
+                })
+                .collect(),
+        )
+        .unwrap();
+        assert!(matches!(
+            plan_transfer(&local_one_group, &remote, &ids, Side::Local),
+            Err(KvConnectorError::InvalidRegions(_))
+        ));
     }
 
     #[test]
@@ -360,7 +534,13 @@ mod tests {
         let local = table(4, 8, 16);
         let remote = table(4, 10, 16);
         // Two runs: remote 2,3,4 -> local 5,6,7 and remote 9 -> local 0, given scrambled.
-        let p = plan_transfer(&local, &remote, &[6, 0, 5, 7], &[3, 9, 2, 4], Side::Local).unwrap();
+        let p = plan_transfer(
+            &local,
+            &remote,
+            &pairs(&[6, 0, 5, 7], &[3, 9, 2, 4]),
+            Side::Local,
+        )
+        .unwrap();
         assert_eq!(p.blocks, 4);
         assert_eq!(p.descriptors, 2 * 4);
         assert_eq!(p.bytes, 4 * 4 * 16);
@@ -393,8 +573,14 @@ mod tests {
             remote_units: 1,
             maps,
         };
-        let p =
-            plan_unit_transfer(&local, &remote, &pairing, &[2, 3], &[4, 5], Side::Local).unwrap();
+        let p = plan_unit_transfer(
+            &local,
+            &remote,
+            &pairing,
+            &pairs(&[2, 3], &[4, 5]),
+            Side::Local,
+        )
+        .unwrap();
         assert_eq!(p.bytes, 2 * 2 * 3 * 16);
         assert_eq!(p.local_indices.len(), 12);
         // head 1 of local block 2 (K) <- rank 1's K (region 2) block 4
@@ -406,11 +592,20 @@ mod tests {
         assert_eq!(p.local_indices[i], local.index(0, 2 * 3 + 1));
         // consecutive blocks 4,5 on the peer land in units 2*3+h, 3*3+h: not consecutive locally
         assert_eq!(p.descriptors, 12);
-        assert!(plan_unit_transfer(&local, &remote, &pairing, &[4], &[0], Side::Local).is_err());
-        assert!(plan_unit_transfer(&local, &remote, &pairing, &[0], &[6], Side::Local).is_err());
         assert!(
-            plan_unit_transfer(&local, &remote, &pairing, &[1, 1], &[0, 2], Side::Local).is_err()
+            plan_unit_transfer(&local, &remote, &pairing, &pairs(&[4], &[0]), Side::Local).is_err()
         );
+        assert!(
+            plan_unit_transfer(&local, &remote, &pairing, &pairs(&[0], &[6]), Side::Local).is_err()
+        );
+        assert!(plan_unit_transfer(
+            &local,
+            &remote,
+            &pairing,
+            &pairs(&[1, 1], &[0, 2]),
+            Side::Local
+        )
+        .is_err());
     }
 
     #[test]
@@ -418,14 +613,14 @@ mod tests {
         let local = table(2, 8, 16);
         let remote = table(2, 4, 16);
         assert!(matches!(
-            plan_transfer(&local, &remote, &[1], &[1, 2], Side::Local),
+            plan_transfer(&local, &remote, &pairs(&[1], &[1, 2]), Side::Local),
             Err(KvConnectorError::BlockCountMismatch {
                 local: 1,
                 remote: 2
             })
         ));
         assert!(matches!(
-            plan_transfer(&local, &remote, &[1], &[4], Side::Local),
+            plan_transfer(&local, &remote, &pairs(&[1], &[4]), Side::Local),
             Err(KvConnectorError::BlockOutOfRange {
                 side: Side::Remote,
                 block: 4,
@@ -433,7 +628,7 @@ mod tests {
             })
         ));
         assert!(matches!(
-            plan_transfer(&local, &remote, &[1, 1], &[0, 2], Side::Local),
+            plan_transfer(&local, &remote, &pairs(&[1, 1], &[0, 2]), Side::Local),
             Err(KvConnectorError::DuplicateBlock {
                 side: Side::Local,
                 block: 1
@@ -446,10 +641,10 @@ mod tests {
             (16, 16)
         );
         assert_eq!(split.descriptors().nth(3), Some((0x10000 + 48, 16)));
-        plan_transfer(&split, &local, &[3], &[1], Side::Local).unwrap();
+        plan_transfer(&split, &local, &pairs(&[3], &[1]), Side::Local).unwrap();
         assert!(table(1, 2, 30).split(4).is_err());
         // Reading one remote block into two local blocks is fine.
-        plan_transfer(&local, &remote, &[1, 2], &[0, 0], Side::Local).unwrap();
-        assert!(plan_transfer(&local, &table(2, 8, 32), &[1], &[1], Side::Local).is_err());
+        plan_transfer(&local, &remote, &pairs(&[1, 2], &[0, 0]), Side::Local).unwrap();
+        assert!(plan_transfer(&local, &table(2, 8, 32), &pairs(&[1], &[1]), Side::Local).is_err());
     }
 }

@@ -24,7 +24,7 @@ pub mod transfer;
 pub use agent::{
     storage_layers, KvLayerMemory, NixlAgent, NixlAgentConfig, DEFAULT_PROGRESS_DELAY_US,
 };
-pub use descriptors::Side;
+pub use descriptors::{BlockPairs, GroupPairs, Side};
 pub use handshake::{
     compat_hash, HandshakeMismatch, LayerInfo, NixlHandshake, RegionInfo,
     HANDSHAKE_PROTOCOL_VERSION,

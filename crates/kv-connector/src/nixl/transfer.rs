@@ -19,7 +19,7 @@ use nixl_sys::{OptArgs, XferOp, XferRequest, XferStatus};
 
 use super::agent::{LocalSide, NixlAgent, PeerEntry};
 use super::descriptors::Side;
-use super::descriptors::{plan_transfer, plan_unit_transfer};
+use super::descriptors::{plan_transfer, plan_unit_transfer, BlockPairs};
 use super::pairing::Pairing;
 use crate::error::KvConnectorError;
 
@@ -201,7 +201,8 @@ fn describe(e: &nixl_sys::NixlError) -> String {
 
 impl NixlAgent {
     /// Posts ONE NIXL READ of `remote_block_ids[i]` of `peer` into `local_block_ids[i]`, over
-    /// every layer's K and V. `notif`, if any, reaches the peer once the data has landed (poll
+    /// every layer's K and V (one list every KV cache group shares; [`Self::read_group_blocks`]
+    /// for a list per group). `notif`, if any, reaches the peer once the data has landed (poll
     /// the handle to completion). With no blocks, the notification is sent at once. With a peer
     /// of smaller blocks, ids are in its units ([`NixlAgent::transfer_ratio`]).
     pub fn read_blocks(
@@ -211,13 +212,20 @@ impl NixlAgent {
         remote_block_ids: &[usize],
         notif: Option<Vec<u8>>,
     ) -> Result<TransferHandle, KvConnectorError> {
-        self.transfer(
-            TransferOp::Read,
-            peer,
-            local_block_ids,
-            remote_block_ids,
-            notif,
-        )
+        let ids = BlockPairs::shared(local_block_ids.to_vec(), remote_block_ids.to_vec());
+        self.transfer(TransferOp::Read, peer, &ids, notif)
+    }
+
+    /// Posts ONE NIXL READ of every layer's K and V, each layer moving its KV cache group's
+    /// pairs of `ids` (a sliding-window group only the blocks of its window); otherwise as
+    /// [`Self::read_blocks`].
+    pub fn read_group_blocks(
+        &self,
+        peer: &str,
+        ids: &BlockPairs,
+        notif: Option<Vec<u8>>,
+    ) -> Result<TransferHandle, KvConnectorError> {
+        self.transfer(TransferOp::Read, peer, ids, notif)
     }
 
     /// Posts ONE NIXL WRITE of `local_block_ids[i]` into `remote_block_ids[i]` of `peer`
@@ -229,13 +237,19 @@ impl NixlAgent {
         remote_block_ids: &[usize],
         notif: Option<Vec<u8>>,
     ) -> Result<TransferHandle, KvConnectorError> {
-        self.transfer(
-            TransferOp::Write,
-            peer,
-            local_block_ids,
-            remote_block_ids,
-            notif,
-        )
+        let ids = BlockPairs::shared(local_block_ids.to_vec(), remote_block_ids.to_vec());
+        self.transfer(TransferOp::Write, peer, &ids, notif)
+    }
+
+    /// Posts ONE NIXL WRITE, each layer moving its group's pairs of `ids` (push mode); otherwise
+    /// as [`Self::read_group_blocks`].
+    pub fn write_group_blocks(
+        &self,
+        peer: &str,
+        ids: &BlockPairs,
+        notif: Option<Vec<u8>>,
+    ) -> Result<TransferHandle, KvConnectorError> {
+        self.transfer(TransferOp::Write, peer, ids, notif)
     }
 
     /// [`TransferHandle::poll`].
@@ -256,8 +270,7 @@ impl NixlAgent {
         &self,
         op: TransferOp,
         peer: &str,
-        local_ids: &[usize],
-        remote_ids: &[usize],
+        ids: &BlockPairs,
         notif: Option<Vec<u8>>,
     ) -> Result<TransferHandle, KvConnectorError> {
         let peer = self.peer(peer)?;
@@ -271,14 +284,7 @@ impl NixlAgent {
             Some(Pairing::Units(units)) => {
                 let local = self.local.split_list(units.local_units())?;
                 let remote = peer.split_list(units.remote_units)?;
-                let plan = plan_unit_transfer(
-                    &local.table,
-                    &remote.table,
-                    units,
-                    local_ids,
-                    remote_ids,
-                    dest,
-                )?;
+                let plan = plan_unit_transfer(&local.table, &remote.table, units, ids, dest)?;
                 (Some(local), Some(remote), plan)
             }
             _ => {
@@ -287,7 +293,7 @@ impl NixlAgent {
                     k => Some(self.local.split_list(k)?),
                 };
                 let local_table = local.as_ref().map_or(&self.local.table, |s| &s.table);
-                let plan = plan_transfer(local_table, &peer.table, local_ids, remote_ids, dest)?;
+                let plan = plan_transfer(local_table, &peer.table, ids, dest)?;
                 (local, None, plan)
             }
         };

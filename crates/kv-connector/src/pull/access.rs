@@ -217,7 +217,7 @@ mod tests {
         let leases = LeaseTable::new();
         leases.issue(
             "3-abc",
-            &[5, 6],
+            &[vec![5, 6]],
             20,
             Instant::now() + Duration::from_secs(30),
         );

@@ -212,18 +212,30 @@ impl SplitMix {
 /// The caller must own `blocks` (a lease nobody reads or writes during the call).
 pub(crate) unsafe fn corrupt_source(
     storage: &KvStorage,
-    blocks: &[u32],
+    tables: &[Vec<u32>],
     num_tokens: usize,
     rng: &mut SplitMix,
 ) -> Option<String> {
     let layers = storage.num_layers();
-    if layers == 0 || blocks.is_empty() || num_tokens == 0 {
+    if layers == 0 || tables.is_empty() || num_tokens == 0 {
         return None;
     }
     let layer = rng.below(layers);
+    let group = storage.layer_group(layer);
+    // The layer's group's table (or the one every group shares).
+    let blocks = match tables {
+        [shared] => shared,
+        tables => tables.get(group)?,
+    };
     let layout = storage.layout(layer);
     let bs = layout.block_size;
-    let pos = rng.below(blocks.len().min(num_tokens.div_ceil(bs)));
+    let held: Vec<usize> = (0..blocks.len().min(num_tokens.div_ceil(bs)))
+        .filter(|&p| blocks[p] != tandem_kv_cache::NULL_BLOCK)
+        .collect();
+    if held.is_empty() {
+        return None;
+    }
+    let pos = held[rng.below(held.len())];
     let covered = (num_tokens - pos * bs).min(bs);
     let token = rng.below(covered);
     let head = rng.below(layout.num_kv_heads);
@@ -240,7 +252,7 @@ pub(crate) unsafe fn corrupt_source(
     bytes[byte] ^= 1 << bit;
     Some(format!(
         "flipped bit {bit} of byte {byte} of {part:?} block {block} (prompt position {pos}, \
-         token {token}, head {head}) of layer {layer}"
+         token {token}, head {head}) of layer {layer} (group {group})"
     ))
 }
 

@@ -27,7 +27,8 @@ use crate::error::KvConnectorError;
 
 #[derive(Debug)]
 struct Lease {
-    block_ids: Vec<BlockId>,
+    /// Per KV cache group (or one shared table), as in `RemotePrefill::remote_block_ids`.
+    block_ids: Vec<Vec<BlockId>>,
     /// The prompt's length (the tokens the blocks hold).
     num_tokens: usize,
     deadline: Instant,
@@ -91,7 +92,7 @@ impl LeaseTable {
     pub fn issue(
         &self,
         remote_request_id: &str,
-        block_ids: &[BlockId],
+        block_ids: &[Vec<BlockId>],
         num_tokens: usize,
         deadline: Instant,
     ) {
@@ -111,7 +112,7 @@ impl LeaseTable {
     pub fn claim(
         &self,
         remote_request_id: &str,
-        block_ids: &[BlockId],
+        block_ids: &[Vec<BlockId>],
     ) -> Result<(), KvConnectorError> {
         let mut guard = self.lock();
         let inner = &mut *guard;
@@ -157,7 +158,7 @@ impl LeaseTable {
     }
 
     /// Asks the worker to free an unclaimed lease now: see the module docs.
-    pub fn release(&self, remote_request_id: &str, block_ids: &[BlockId]) -> ReleaseOutcome {
+    pub fn release(&self, remote_request_id: &str, block_ids: &[Vec<BlockId>]) -> ReleaseOutcome {
         let mut inner = self.lock();
         let Some(lease) = inner.leases.get_mut(remote_request_id) else {
             return ReleaseOutcome::Unknown;
@@ -208,47 +209,57 @@ mod tests {
     fn a_lease_is_claimed_once_with_exactly_its_blocks() {
         let t = LeaseTable::new();
         let later = Instant::now() + Duration::from_secs(30);
-        t.issue("r1", &[4, 9, 2], 40, later);
+        t.issue("r1", &[vec![4, 9, 2]], 40, later);
         for (rid, blocks, needle) in [
-            ("r2", &[4u32, 9, 2][..], "no live lease"),
-            ("r1", &[4, 9, 3][..], "not the blocks"),
-            ("r1", &[4, 9][..], "not the blocks"),
-            ("r1", &[9, 4, 2][..], "not the blocks"),
+            ("r2", &[vec![4u32, 9, 2]][..], "no live lease"),
+            ("r1", &[vec![4, 9, 3]][..], "not the blocks"),
+            ("r1", &[vec![4, 9]][..], "not the blocks"),
+            ("r1", &[vec![9, 4, 2]][..], "not the blocks"),
         ] {
             let e = t.claim(rid, blocks).unwrap_err().to_string();
             assert!(e.contains(needle), "{rid} {blocks:?}: {e}");
         }
-        t.claim("r1", &[4, 9, 2]).unwrap();
-        let e = t.claim("r1", &[4, 9, 2]).unwrap_err().to_string();
+        t.claim("r1", &[vec![4, 9, 2]]).unwrap();
+        let e = t.claim("r1", &[vec![4, 9, 2]]).unwrap_err().to_string();
         assert!(e.contains("already claimed"), "{e}");
         // A claimed lease is the consumer's: the proxy cannot release it.
-        assert_eq!(t.release("r1", &[4, 9, 2]), ReleaseOutcome::Claimed);
+        assert_eq!(t.release("r1", &[vec![4, 9, 2]]), ReleaseOutcome::Claimed);
         assert!(t.take_released().is_empty());
         t.end("r1");
-        assert!(t.claim("r1", &[4, 9, 2]).is_err());
+        assert!(t.claim("r1", &[vec![4, 9, 2]]).is_err());
         assert!(t.is_empty());
     }
 
     #[test]
     fn expired_or_released_leases_cannot_be_claimed() {
         let t = LeaseTable::new();
-        t.issue("old", &[1], 10, Instant::now() - Duration::from_millis(1));
+        t.issue(
+            "old",
+            &[vec![1]],
+            10,
+            Instant::now() - Duration::from_millis(1),
+        );
         assert!(t
-            .claim("old", &[1])
+            .claim("old", &[vec![1]])
             .unwrap_err()
             .to_string()
             .contains("expired"));
-        t.issue("r", &[1, 2], 20, Instant::now() + Duration::from_secs(30));
-        assert_eq!(t.release("r", &[1, 3]), ReleaseOutcome::Unknown);
-        assert_eq!(t.release("r", &[1, 2]), ReleaseOutcome::Released);
-        assert_eq!(t.release("r", &[1, 2]), ReleaseOutcome::Released);
+        t.issue(
+            "r",
+            &[vec![1, 2]],
+            20,
+            Instant::now() + Duration::from_secs(30),
+        );
+        assert_eq!(t.release("r", &[vec![1, 3]]), ReleaseOutcome::Unknown);
+        assert_eq!(t.release("r", &[vec![1, 2]]), ReleaseOutcome::Released);
+        assert_eq!(t.release("r", &[vec![1, 2]]), ReleaseOutcome::Released);
         assert_eq!(t.take_released(), vec!["r".to_string()]);
         assert!(t.take_released().is_empty());
         assert!(t
-            .claim("r", &[1, 2])
+            .claim("r", &[vec![1, 2]])
             .unwrap_err()
             .to_string()
             .contains("released"));
-        assert_eq!(t.release("nope", &[1]), ReleaseOutcome::Unknown);
+        assert_eq!(t.release("nope", &[vec![1]]), ReleaseOutcome::Unknown);
     }
 }

@@ -36,6 +36,7 @@ use super::fault::{wrong_block, SplitMix, TransportFault, TransportFaultKind};
 use super::protocol::{LoadKind, PeerAddr, PullNotif};
 use crate::auth::TransferAuth;
 use crate::error::KvConnectorError;
+use crate::nixl::BlockPairs;
 use crate::nixl::{NixlAgent, NixlHandshake, TransferHandle, TransferStats, TransferStatus};
 
 /// Largest handshake body accepted (a few KB per layer; anything near this is hostile).
@@ -66,8 +67,8 @@ pub(crate) struct LoadJob {
     pub kind: LoadKind,
     pub peer: PeerAddr,
     pub remote_request_id: String,
-    pub local: Vec<usize>,
-    pub remote: Vec<usize>,
+    /// The blocks it moves, per KV cache group (or one list all groups share).
+    pub ids: BlockPairs,
     /// The `POST /v1/kv/claim` body of a READ.
     pub claim_body: Option<String>,
     pub cancel: Arc<AtomicBool>,
@@ -650,13 +651,22 @@ impl LoaderThread {
         let what = if write { "WRITE" } else { "READ" };
         if let Some((f, rng)) = &mut self.fault {
             if f.kind == TransportFaultKind::WrongBlock && rng.hit(f.probability) {
-                // The source side is shuffled: a WRITE never lands outside its own blocks.
-                let source = if write {
-                    &mut job.local
-                } else {
-                    &mut job.remote
-                };
-                if let Some(shifted) = wrong_block(source, rng) {
+                // The source side of one group is shuffled: a WRITE never lands outside its
+                // own blocks.
+                let groups: Vec<usize> = (0..job.ids.groups().len())
+                    .filter(|&g| !job.ids.groups()[g].local.is_empty())
+                    .collect();
+                let shifted = (!groups.is_empty()).then(|| groups[rng.below(groups.len())]);
+                let shifted = shifted.and_then(|g| {
+                    let pairs = &mut job.ids.groups_mut()[g];
+                    let source = if write {
+                        &mut pairs.local
+                    } else {
+                        &mut pairs.remote
+                    };
+                    wrong_block(source, rng).map(|what| format!("{what} (group {g})"))
+                });
+                if let Some(shifted) = shifted {
                     tracing::warn!(
                         request = job.request_id,
                         "transport fault injected (wrong_block, testing only): the {what} {shifted}"
@@ -666,7 +676,7 @@ impl LoaderThread {
         }
         let posted = if let LoadKind::Write { notif, .. } = &job.kind {
             self.agent
-                .write_blocks(&name, &job.local, &job.remote, Some(notif.clone()))
+                .write_group_blocks(&name, &job.ids, Some(notif.clone()))
         } else {
             let renew = PullNotif::Renew(&job.remote_request_id).encode();
             if let Err(e) = self.agent.send_notif(&name, &renew) {
@@ -675,8 +685,7 @@ impl LoaderThread {
                 return;
             }
             let done = PullNotif::Done(&job.remote_request_id).encode();
-            self.agent
-                .read_blocks(&name, &job.local, &job.remote, Some(done))
+            self.agent.read_group_blocks(&name, &job.ids, Some(done))
         };
         match posted {
             Ok(handle) => {

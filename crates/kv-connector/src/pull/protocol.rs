@@ -15,7 +15,7 @@
 
 use std::time::Instant;
 
-use tandem_kv_cache::BlockId;
+use crate::nixl::BlockPairs;
 
 /// Prefix of the completion notification.
 pub const DONE_PREFIX: &[u8] = b"tandem/v1/done:";
@@ -124,11 +124,10 @@ pub struct LoadSpec {
     pub kind: LoadKind,
     pub peer: PeerAddr,
     pub remote_request_id: String,
-    /// Local destination blocks, in prompt order; in the producer's units when its blocks
-    /// are smaller (block `b` of ours is sub-blocks `b * k .. (b + 1) * k`).
-    pub local_block_ids: Vec<BlockId>,
-    /// The producer's source blocks, pairwise with `local_block_ids`.
-    pub remote_block_ids: Vec<BlockId>,
+    /// Per KV cache group (or one list for all), local destination blocks in prompt order,
+    /// paired with the producer's source blocks; local ids are in the producer's units when
+    /// its blocks are smaller (block `b` of ours is sub-blocks `b * k .. (b + 1) * k`).
+    pub blocks: BlockPairs,
     /// A READ's `POST /v1/kv/claim` body (the request's params as the producer issued them).
     pub claim_body: Option<String>,
 }

@@ -27,7 +27,9 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use tandem_kv_cache::BlockId;
+use tandem_kv_cache::{BlockId, NULL_BLOCK};
+
+use crate::nixl::{BlockPairs, GroupPairs};
 
 use super::access::PARAMS_FIELD;
 use super::leases::LeaseTable;
@@ -167,10 +169,78 @@ impl NixlPullScheduler {
             kind,
             peer: Self::peer(remote),
             remote_request_id: remote.remote_request_id.clone(),
-            local_block_ids: Vec::new(),
-            remote_block_ids: Vec::new(),
+            blocks: BlockPairs::shared(Vec::new(), Vec::new()),
             claim_body: None,
         }
+    }
+
+    /// Pairs the load's local blocks with the producer's, group by group: positions
+    /// `local_computed / remote_bs .. cdiv(prompt, remote_bs)` in the producer's units, skipping
+    /// those a sliding-window group of ours holds no block for (before its window: not needed).
+    /// A block we need that the producer does not hold, or tables that do not match, make the
+    /// load impossible (the reason).
+    fn plan_load(
+        &self,
+        request: &ConnectorRequest<'_>,
+        block_tables: &[Vec<BlockId>],
+        num_external_tokens: usize,
+        remote: &RemotePrefill,
+    ) -> Result<BlockPairs, String> {
+        let bs = self.config.block_size;
+        // The producer's blocks may be smaller: `ratio` of them fill one of ours (checked when
+        // the params were parsed), and the READ is planned in its units.
+        let remote_bs = remote.remote_block_size.unwrap_or(bs);
+        let ratio = bs / remote_bs;
+        let prompt_len = request.prompt_token_ids.len();
+        let local_computed = prompt_len.saturating_sub(num_external_tokens);
+        let (first, end) = (local_computed / remote_bs, prompt_len.div_ceil(remote_bs));
+        let place = |why: String| {
+            format!(
+                "cannot place the load ({num_external_tokens} external of {prompt_len} prompt \
+                 tokens, block size {bs}): {why}"
+            )
+        };
+        if !local_computed.is_multiple_of(bs) {
+            return Err(place("the local prefix is not block-aligned".into()));
+        }
+        if block_tables.len() != remote.remote_block_ids.len() {
+            return Err(place(format!(
+                "the producer sends {} block tables (KV cache groups), this instance runs {}",
+                remote.remote_block_ids.len(),
+                block_tables.len()
+            )));
+        }
+        let mut groups = Vec::with_capacity(block_tables.len());
+        for (g, (local, theirs)) in block_tables
+            .iter()
+            .zip(&remote.remote_block_ids)
+            .enumerate()
+        {
+            if local.len() < prompt_len.div_ceil(bs) || theirs.len() != end {
+                return Err(place(format!(
+                    "group {g}: {} local blocks, {} remote blocks",
+                    local.len(),
+                    theirs.len()
+                )));
+            }
+            let mut pairs = GroupPairs::default();
+            for q in first..end {
+                let ours = local[q / ratio];
+                if ours == NULL_BLOCK {
+                    continue;
+                }
+                if theirs[q] == NULL_BLOCK {
+                    return Err(place(format!(
+                        "group {g}: the producer holds no block at position {q} (its sliding \
+                         window freed it), which this instance needs"
+                    )));
+                }
+                pairs.local.push(ours as usize * ratio + q % ratio);
+                pairs.remote.push(theirs[q] as usize);
+            }
+            groups.push(pairs);
+        }
+        Ok(BlockPairs::per_group(groups))
     }
 
     /// A new, unguessable id for a producer request's lease.
@@ -237,7 +307,7 @@ impl KvConnectorScheduler for NixlPullScheduler {
     fn update_state_after_alloc(
         &mut self,
         request: &ConnectorRequest<'_>,
-        block_ids: &[BlockId],
+        block_tables: &[Vec<BlockId>],
         num_external_tokens: usize,
     ) {
         if !self.config.role.is_consumer() {
@@ -255,35 +325,17 @@ impl KvConnectorScheduler for NixlPullScheduler {
                 .push(Self::spec(id, &remote, LoadKind::Release));
             return;
         }
-        let bs = self.config.block_size;
-        // The producer's blocks may be smaller: `ratio` of them fill one of ours (checked when
-        // the params were parsed), and the READ is planned in its units.
-        let remote_bs = remote.remote_block_size.unwrap_or(bs);
-        let ratio = bs / remote_bs;
-        let prompt_len = request.prompt_token_ids.len();
-        let local_computed = prompt_len.saturating_sub(num_external_tokens);
-        let first = local_computed / remote_bs;
-        let end = prompt_len.div_ceil(remote_bs);
         let mut spec = Self::spec(id, &remote, LoadKind::Read);
-        if !local_computed.is_multiple_of(bs)
-            || block_ids.len() < prompt_len.div_ceil(bs)
-            || remote.remote_block_ids.len() != end
-        {
-            let reason = format!(
-                "cannot place the load: {num_external_tokens} external of {prompt_len} prompt \
-                 tokens, {} local blocks, {} remote blocks, block size {bs}",
-                block_ids.len(),
-                remote.remote_block_ids.len()
-            );
-            tracing::error!(request = %request.external_id, "{reason}");
-            spec.kind = LoadKind::Reject(reason);
-        } else {
-            spec.local_block_ids = (first..end)
-                .map(|q| block_ids[q / ratio] * ratio as BlockId + (q % ratio) as BlockId)
-                .collect();
-            spec.remote_block_ids = remote.remote_block_ids[first..end].to_vec();
-            let params = request.kv_transfer_params.cloned().unwrap_or_default();
-            spec.claim_body = Some(serde_json::json!({ PARAMS_FIELD: params }).to_string());
+        match self.plan_load(request, block_tables, num_external_tokens, &remote) {
+            Ok(blocks) => {
+                spec.blocks = blocks;
+                let params = request.kv_transfer_params.cloned().unwrap_or_default();
+                spec.claim_body = Some(serde_json::json!({ PARAMS_FIELD: params }).to_string());
+            }
+            Err(reason) => {
+                tracing::error!(request = %request.external_id, "{reason}");
+                spec.kind = LoadKind::Reject(reason);
+            }
         }
         self.pending.loads.push(spec);
     }
@@ -311,7 +363,7 @@ impl KvConnectorScheduler for NixlPullScheduler {
     fn request_finished(
         &mut self,
         request: &ConnectorRequest<'_>,
-        block_ids: &[BlockId],
+        block_tables: &[Vec<BlockId>],
         finish: FinishKind,
     ) -> FinishedAction {
         let id = request.request_id;
@@ -340,16 +392,16 @@ impl KvConnectorScheduler for NixlPullScheduler {
             {
                 let bs = self.config.block_size;
                 let n = request.prompt_token_ids.len().div_ceil(bs);
-                if block_ids.len() < n {
-                    tracing::error!(request = %request.external_id, blocks = block_ids.len(),
-                        needed = n, "producer request finished without its prompt's blocks");
+                if block_tables.is_empty() || block_tables.iter().any(|t| t.len() < n) {
+                    tracing::error!(request = %request.external_id, needed = n,
+                        "producer request finished without its prompt's blocks");
                     return FinishedAction::default();
                 }
                 let remote_request_id = Self::new_remote_request_id(id);
                 let params = RemotePrefill {
                     remote_engine_id: self.config.engine_id.clone(),
                     remote_request_id: remote_request_id.clone(),
-                    remote_block_ids: block_ids[..n].to_vec(),
+                    remote_block_ids: block_tables.iter().map(|t| t[..n].to_vec()).collect(),
                     remote_host: self.config.side_channel_host.clone(),
                     remote_port: self.config.http_port,
                     tp_size: self.config.tp_size as u64,
@@ -423,17 +475,17 @@ mod tests {
             s.get_num_new_matched_tokens(&r, 0).unwrap(),
             MatchedTokens::default()
         );
-        s.update_state_after_alloc(&r, &[7, 8, 9], 0);
+        s.update_state_after_alloc(&r, &[vec![7, 8, 9]], 0);
         assert!(meta(&mut s).is_empty());
         let before = Instant::now();
-        let a = s.request_finished(&r, &[7, 8, 9, 10], FinishKind::Normal);
+        let a = s.request_finished(&r, &[vec![7, 8, 9, 10]], FinishKind::Normal);
         assert!(a.delay_free);
         let v = a.kv_transfer_params.unwrap();
         let TransferRequest::Consumer(back) = TransferRequest::parse(Some(&v), 9, 4).unwrap()
         else {
             panic!("{v}")
         };
-        assert_eq!(back.remote_block_ids, vec![7, 8, 9]);
+        assert_eq!(back.remote_block_ids, vec![vec![7, 8, 9]]);
         assert_eq!(
             (
                 back.remote_host.as_str(),
@@ -453,7 +505,11 @@ mod tests {
         s.update_connector_output(&out);
         assert!(s.is_idle());
         // Aborted: no lease, no params; remote request ids are never reused.
-        let a = s.request_finished(&req(4, &prompt, Some(&p)), &[1, 2, 3], FinishKind::Aborted);
+        let a = s.request_finished(
+            &req(4, &prompt, Some(&p)),
+            &[vec![1, 2, 3]],
+            FinishKind::Aborted,
+        );
         assert_eq!(a, FinishedAction::default());
         assert!(s.is_idle());
     }
@@ -474,13 +530,12 @@ mod tests {
                 load_async: true
             }
         );
-        s.update_state_after_alloc(&r, &[30, 31, 32], 6);
+        s.update_state_after_alloc(&r, &[vec![30, 31, 32]], 6);
         let m = meta(&mut s);
         assert_eq!(m.loads.len(), 1);
         let l = &m.loads[0];
         assert_eq!(l.kind, LoadKind::Read);
-        assert_eq!(l.local_block_ids, vec![31, 32]);
-        assert_eq!(l.remote_block_ids, vec![21, 22]);
+        assert_eq!(l.blocks, BlockPairs::shared(vec![31, 32], vec![21, 22]));
         assert_eq!(l.peer.engine_id, "p0");
         // Misaligned local hits are never loaded into.
         assert_eq!(
@@ -492,11 +547,75 @@ mod tests {
         out.finished_recving.insert(5);
         s.update_connector_output(&out);
         assert_eq!(
-            s.request_finished(&r, &[30, 31, 32], FinishKind::Normal),
+            s.request_finished(&r, &[vec![30, 31, 32]], FinishKind::Normal),
             FinishedAction::default()
         );
         assert!(meta(&mut s).is_empty());
         assert!(s.is_idle());
+    }
+
+    #[test]
+    fn each_kv_cache_group_loads_its_own_blocks_and_a_sliding_group_only_its_window() {
+        let n = NULL_BLOCK;
+        // Producer: group 0 (full) holds every block, group 1 (sliding) freed positions 0..2.
+        let mut prod = sched(KvRole::Producer);
+        let prompt = [1u32; 18];
+        let pp = json!({"do_remote_decode": true});
+        let a = prod.request_finished(
+            &req(3, &prompt, Some(&pp)),
+            &[vec![7, 8, 9, 10, 11, 12], vec![n, n, 2, 3, 4, 5]],
+            FinishKind::Normal,
+        );
+        let v = a.kv_transfer_params.unwrap();
+        assert_eq!(
+            v["remote_block_ids"],
+            json!([[7, 8, 9, 10, 11], [null, null, 2, 3, 4]])
+        );
+        // Consumer: a local hit of one block; its sliding group holds positions 3.. only.
+        let mut s = sched(KvRole::Consumer);
+        let r = req(5, &prompt, Some(&v));
+        assert_eq!(
+            s.get_num_new_matched_tokens(&r, 4)
+                .unwrap()
+                .num_external_tokens,
+            14
+        );
+        s.update_state_after_alloc(&r, &[vec![30, 31, 32, 33, 34], vec![n, n, n, 43, 44]], 14);
+        let l = &meta(&mut s).loads[0];
+        assert_eq!(l.kind, LoadKind::Read);
+        assert_eq!(
+            l.blocks.groups(),
+            [
+                GroupPairs {
+                    local: vec![31, 32, 33, 34],
+                    remote: vec![8, 9, 10, 11]
+                },
+                GroupPairs {
+                    local: vec![43, 44],
+                    remote: vec![3, 4]
+                }
+            ]
+        );
+        // A block we need that the producer freed, or tables of another shape, fail the load.
+        let mut early = v.clone();
+        early["remote_block_ids"][1] = json!([null, null, null, null, 4]);
+        let mut other = v.clone();
+        other["remote_block_ids"] = json!([7, 8, 9, 10, 11]);
+        for (params, needle) in [
+            (&early, "group 1: the producer holds no block at position 3"),
+            (
+                &other,
+                "the producer sends 1 block tables (KV cache groups), this instance runs 2",
+            ),
+        ] {
+            let r = req(6, &prompt, Some(params));
+            s.update_state_after_alloc(&r, &[vec![30, 31, 32, 33, 34], vec![n, n, n, 43, 44]], 14);
+            let l = &meta(&mut s).loads[0];
+            let LoadKind::Reject(reason) = &l.kind else {
+                panic!("{:?}", l.kind)
+            };
+            assert!(reason.contains(needle), "{reason}");
+        }
     }
 
     #[test]
@@ -510,12 +629,14 @@ mod tests {
         let r = req(8, &prompt, Some(&p));
         let m = s.get_num_new_matched_tokens(&r, 4).unwrap();
         assert_eq!(m.num_external_tokens, 7);
-        s.update_state_after_alloc(&r, &[30, 31, 32], 7);
+        s.update_state_after_alloc(&r, &[vec![30, 31, 32]], 7);
         let l = &meta(&mut s).loads[0];
         assert_eq!(l.kind, LoadKind::Read);
         // Producer positions 2..6 into our blocks 31 (sub 62, 63) and 32 (sub 64, 65).
-        assert_eq!(l.remote_block_ids, vec![52, 53, 54, 55]);
-        assert_eq!(l.local_block_ids, vec![62, 63, 64, 65]);
+        assert_eq!(
+            l.blocks,
+            BlockPairs::shared(vec![62, 63, 64, 65], vec![52, 53, 54, 55])
+        );
         // Blocks larger than ours, or not dividing ours, are refused naming both sizes.
         for bs in [8, 3] {
             let mut bad = p.clone();
@@ -532,7 +653,11 @@ mod tests {
         // The producer answers its own block size.
         let mut prod = sched(KvRole::Producer);
         let pp = json!({"do_remote_decode": true});
-        let a = prod.request_finished(&req(3, &prompt, Some(&pp)), &[7, 8, 9], FinishKind::Normal);
+        let a = prod.request_finished(
+            &req(3, &prompt, Some(&pp)),
+            &[vec![7, 8, 9]],
+            FinishKind::Normal,
+        );
         assert_eq!(a.kv_transfer_params.unwrap()["remote_block_size"], json!(4));
     }
 
@@ -545,9 +670,9 @@ mod tests {
             "remote_host": "h", "remote_port": 1, "tp_size": 1});
         let r = req(6, &prompt, Some(&p));
         s.get_num_new_matched_tokens(&r, 0).unwrap();
-        s.update_state_after_alloc(&r, &[1], 4);
+        s.update_state_after_alloc(&r, &[vec![1]], 4);
         meta(&mut s);
-        let a = s.request_finished(&r, &[1], FinishKind::Aborted);
+        let a = s.request_finished(&r, &[vec![1]], FinishKind::Aborted);
         assert!(a.delay_free && a.kv_transfer_params.is_none());
         assert_eq!(meta(&mut s).cancelled_loads, vec![6]);
         let mut out = ConnectorOutput::default();
@@ -559,7 +684,7 @@ mod tests {
         let r = req(7, &prompt, Some(&p));
         s.get_num_new_matched_tokens(&r, 0).unwrap();
         assert_eq!(
-            s.request_finished(&r, &[], FinishKind::Aborted),
+            s.request_finished(&r, &[vec![]], FinishKind::Aborted),
             FinishedAction::default()
         );
         let m = meta(&mut s);
@@ -581,9 +706,9 @@ mod tests {
             s.get_num_new_matched_tokens(&r, 0).unwrap(),
             MatchedTokens::default()
         );
-        s.update_state_after_alloc(&r, &[1], 0);
+        s.update_state_after_alloc(&r, &[vec![1]], 0);
         assert_eq!(
-            s.request_finished(&r, &[1], FinishKind::Normal),
+            s.request_finished(&r, &[vec![1]], FinishKind::Normal),
             FinishedAction::default()
         );
         assert!(meta(&mut s).is_empty() && s.is_idle());
@@ -596,7 +721,7 @@ mod tests {
             MatchedTokens::default()
         );
         assert_eq!(
-            s.request_finished(&r, &[1], FinishKind::Normal),
+            s.request_finished(&r, &[vec![1]], FinishKind::Normal),
             FinishedAction::default()
         );
         assert!(meta(&mut s).is_empty() && s.is_idle());
@@ -608,7 +733,7 @@ mod tests {
             Err(KvConnectorError::InvalidTransferParams(_))
         ));
         assert_eq!(
-            s.request_finished(&r, &[], FinishKind::Aborted),
+            s.request_finished(&r, &[vec![]], FinishKind::Aborted),
             FinishedAction::default()
         );
         assert!(s.is_idle());

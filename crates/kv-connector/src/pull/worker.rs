@@ -203,8 +203,7 @@ impl NixlPullWorker {
             kind: spec.kind.clone(),
             peer: spec.peer.clone(),
             remote_request_id: spec.remote_request_id.clone(),
-            local: spec.local_block_ids.iter().map(|&b| b as usize).collect(),
-            remote: spec.remote_block_ids.iter().map(|&b| b as usize).collect(),
+            ids: spec.blocks.clone(),
             claim_body: spec.claim_body.clone(),
             cancel: cancel.clone(),
         };

@@ -201,7 +201,7 @@ impl KvConnectorScheduler for NixlPushScheduler {
     fn update_state_after_alloc(
         &mut self,
         request: &ConnectorRequest<'_>,
-        block_ids: &[BlockId],
+        block_tables: &[Vec<BlockId>],
         num_external_tokens: usize,
     ) {
         if !self.config.role.is_consumer() {
@@ -221,11 +221,13 @@ impl KvConnectorScheduler for NixlPushScheduler {
         let prompt_len = request.prompt_token_ids.len();
         let local_computed = prompt_len.saturating_sub(num_external_tokens);
         let (first, end) = (local_computed / bs, prompt_len.div_ceil(bs));
+        let block_ids = shared_table(block_tables).unwrap_or(&[]);
         if !local_computed.is_multiple_of(bs) || block_ids.len() < end {
             let reason = format!(
                 "cannot place the load: {num_external_tokens} external of {prompt_len} prompt \
-                 tokens, {} local blocks, block size {bs}",
-                block_ids.len()
+                 tokens, {} local blocks in {} tables (push runs one), block size {bs}",
+                block_ids.len(),
+                block_tables.len()
             );
             tracing::error!(request = %request.external_id, "{reason}");
             self.register(request, &remote, 0, Vec::new());
@@ -265,7 +267,7 @@ impl KvConnectorScheduler for NixlPushScheduler {
     fn request_finished(
         &mut self,
         request: &ConnectorRequest<'_>,
-        block_ids: &[BlockId],
+        block_tables: &[Vec<BlockId>],
         finish: FinishKind,
     ) -> FinishedAction {
         let id = request.request_id;
@@ -291,10 +293,13 @@ impl KvConnectorScheduler for NixlPushScheduler {
                     .prompt_token_ids
                     .len()
                     .div_ceil(self.config.block_size);
+                let block_ids = shared_table(block_tables).unwrap_or(&[]);
                 if finish != FinishKind::Normal || block_ids.len() < n {
                     if finish == FinishKind::Normal {
                         tracing::error!(request = %request.external_id, blocks = block_ids.len(),
-                            needed = n, "producer request finished without its prompt's blocks");
+                            tables = block_tables.len(), needed = n,
+                            "producer request finished without its prompt's blocks in one \
+                             block table (push runs one for every KV cache group)");
                     }
                     self.pending.aborted.push(transfer_id);
                     return FinishedAction::default();
@@ -315,6 +320,15 @@ impl KvConnectorScheduler for NixlPushScheduler {
             }
             _ => FinishedAction::default(),
         }
+    }
+}
+
+/// Push moves one block table that every KV cache group shares (the server runs one in push
+/// mode); `None` for a table per group.
+fn shared_table(block_tables: &[Vec<BlockId>]) -> Option<&[BlockId]> {
+    match block_tables {
+        [shared] => Some(shared),
+        _ => None,
     }
 }
 
@@ -366,7 +380,7 @@ mod tests {
             s.get_num_new_matched_tokens(&r, 0).unwrap(),
             MatchedTokens::default()
         );
-        let a = s.request_finished(&r, &[7, 8, 9, 10], FinishKind::Normal);
+        let a = s.request_finished(&r, &[vec![7, 8, 9, 10]], FinishKind::Normal);
         assert!(a.delay_free && a.kv_transfer_params.is_none());
         s.send_kv_checksums(&r, "CK");
         let m = meta(&mut s);
@@ -389,7 +403,7 @@ mod tests {
         // Aborted: nothing held, the transfer is ended for the workers; checksums dropped.
         let r = req(4, &prompt, Some(&p));
         assert_eq!(
-            s.request_finished(&r, &[1, 2, 3], FinishKind::Aborted),
+            s.request_finished(&r, &[vec![1, 2, 3]], FinishKind::Aborted),
             FinishedAction::default()
         );
         s.send_kv_checksums(&r, "CK");
@@ -417,7 +431,7 @@ mod tests {
                 load_async: true
             }
         );
-        s.update_state_after_alloc(&r, &[30, 31, 32], 6);
+        s.update_state_after_alloc(&r, &[vec![30, 31, 32]], 6);
         let m = meta(&mut s);
         assert_eq!(m.registrations.len(), 1);
         let reg = &m.registrations[0];
@@ -435,7 +449,7 @@ mod tests {
             ("10.0.0.2", 8200, "d0")
         );
         // Ending mid-load holds the blocks until the workers release them.
-        let a = s.request_finished(&r, &[30, 31, 32], FinishKind::Aborted);
+        let a = s.request_finished(&r, &[vec![30, 31, 32]], FinishKind::Aborted);
         assert!(a.delay_free);
         assert_eq!(meta(&mut s).cancelled_loads, vec![5]);
         let mut out = ConnectorOutput::default();
@@ -444,7 +458,7 @@ mod tests {
         assert!(s.is_idle());
         // Ending before allocation registers nothing: a release.
         let r = req(6, &prompt, Some(&p));
-        s.request_finished(&r, &[], FinishKind::Aborted);
+        s.request_finished(&r, &[vec![]], FinishKind::Aborted);
         let m = meta(&mut s);
         assert!(m.registrations[0].registration.block_ids.is_empty());
     }

@@ -36,7 +36,7 @@ use super::protocol::{PushMetadata, PushNotif, PushSpec, RegisterSpec, Registrat
 use super::registry::PushRegistry;
 use crate::base::{ConnectorMetadata, ConnectorOutput, KvConnectorWorker, RankKvCaches};
 use crate::error::KvConnectorError;
-use crate::nixl::NixlAgent;
+use crate::nixl::{BlockPairs, NixlAgent};
 use crate::pull::fault::{SplitMix, TransportFault, TransportFaultKind};
 use crate::pull::loader::{LoadJob, LoadOutcome, Loader};
 use crate::pull::{HandshakeProvider, LoadKind, PeerAddr, PullWorkerConfig};
@@ -140,8 +140,7 @@ impl NixlPushWorker {
             kind,
             peer,
             remote_request_id: String::new(),
-            local: Vec::new(),
-            remote: Vec::new(),
+            ids: BlockPairs::shared(Vec::new(), Vec::new()),
             claim_body: None,
             cancel: Arc::new(AtomicBool::new(false)),
         }
@@ -405,10 +404,13 @@ impl NixlPushWorker {
             },
             reg.consumer.peer(),
         );
-        job.local = (first..first + reg.block_ids.len())
-            .map(|p| spec.block_ids[p / ratio] as usize * ratio + p % ratio)
-            .collect();
-        job.remote = reg.block_ids.iter().map(|&b| b as usize).collect();
+        // Push runs one block table for every KV cache group.
+        job.ids = BlockPairs::shared(
+            (first..first + reg.block_ids.len())
+                .map(|p| spec.block_ids[p / ratio] as usize * ratio + p % ratio)
+                .collect(),
+            reg.block_ids.iter().map(|&b| b as usize).collect(),
+        );
         if self.submit(job) {
             self.writing.insert(id, tid);
         } else {

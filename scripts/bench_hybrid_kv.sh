@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # KV blocks and bytes one long Gemma 3 request holds, with a block table per KV cache group (the
 # sliding-window group frees what leaves its 512-token window) against one table all groups
-# share (every layer keeps every block: what P/D runs today), in one run. Each instance serves
+# share (every layer keeps every block: what push-mode P/D runs), in one run. Each instance serves
 # one request of TOKENS prompt tokens and STEPS output tokens while /metrics is polled; the
 # most blocks held per group (pool total minus free) are reported, and bytes from Gemma 3 270M's
 # shape (3 full-attention and 15 sliding layers, 1 KV head of 256, the f32 cache). The most
@@ -19,9 +19,9 @@ steps=${2:-32}
 common=(--model gemma3-270m --host 127.0.0.1 --num-kv-blocks 600 --max-model-len 8192
     --max-num-batched-tokens "${CHUNK:-2048}")
 "$bin" serve "${common[@]}" --port 9230 >/tmp/tandem-hk-hybrid.log 2>&1 & pids+=($!)
-# a transfer config (never used: no request asks for a transfer) gives one shared table
+# a push-mode transfer config (never used: no request asks for a transfer) gives one shared table
 "$bin" serve "${common[@]}" --port 9231 \
-    --kv-transfer-config '{"kv_connector":"NixlConnector","kv_role":"kv_both"}' \
+    --kv-transfer-config '{"kv_connector":"NixlPushConnector","kv_role":"kv_both"}' \
     >/tmp/tandem-hk-shared.log 2>&1 & pids+=($!)
 wait_up http://127.0.0.1:9230
 wait_up http://127.0.0.1:9231

@@ -1,8 +1,8 @@
 //! Gemma 3 270M served end to end: its two KV cache groups (full attention, and sliding window
 //! of 512 tokens) move between a prefill and a decode instance over real NIXL and are verified
 //! group by group. A prompt much longer than the window returns the single instance's answer
-//! with both groups verified; a byte corrupted in the sliding-window group only is a mismatch
-//! that names that group.
+//! with both groups verified, the sliding-window group moving only the blocks of its window; a
+//! byte corrupted in the sliding-window group only is a mismatch that names that group.
 
 mod common;
 
@@ -60,9 +60,51 @@ async fn a_prompt_past_the_window_moves_both_groups_verified_and_a_sliding_group
     drop(single);
 
     let pd = deploy(FAIL);
-    let got = greedy_ids(&pd.proxy.base, &prompt, 12).await;
-    assert_eq!(got, want, "P/D answer differs from the single instance");
+    let (st, v) = common::post(
+        &pd.proxy.base,
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 12, "temperature": 0, "return_token_ids": true}),
+    )
+    .await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(
+        common::ids(&v),
+        want,
+        "P/D answer differs from the single instance"
+    );
     assert_eq!(verdict(&pd.decode, "verified").await, 1.0);
+    // Each group moved what the consumer's table holds: the 3 full-attention layers every
+    // prompt block, the 15 sliding-window layers only the blocks of the 512-token window.
+    let p = v["usage"]["prompt_tokens"].as_u64().unwrap() as usize;
+    assert!(p > 800, "{p}");
+    let blocks = p.div_ceil(16);
+    let window_blocks = blocks - (p + 1 - 512) / 16;
+    let block_bytes = 2 * 16 * 256 * 4; // K and V of 16 tokens, one KV head of 256, f32
+    let moved = pd
+        .decode
+        .metric_total("tandem:nixl_bytes_transferred_sum")
+        .await;
+    assert_eq!(
+        moved,
+        ((3 * blocks + 15 * window_blocks) * block_bytes) as f64,
+        "{blocks} prompt blocks, {window_blocks} in the window"
+    );
+    // Again: the consumer's prefix cache holds the prompt in both groups (the sliding group's
+    // window before the hit), so only what it lacks moves.
+    let again = greedy_ids(&pd.proxy.base, &prompt, 12).await;
+    assert_eq!(
+        again, want,
+        "P/D answer after a consumer prefix hit differs"
+    );
+    let moved_again = pd
+        .decode
+        .metric_total("tandem:nixl_bytes_transferred_sum")
+        .await
+        - moved;
+    assert!(
+        moved_again <= (18 * block_bytes) as f64,
+        "a prefix hit still moved {moved_again} bytes"
+    );
     let log = pd.decode.log_text();
     assert!(log.contains("KV load verified") || verdict(&pd.decode, "mismatch").await == 0.0);
     common::wait_all_free(&[&pd.prefill, &pd.decode]).await;

@@ -5,9 +5,10 @@
 //!   and the response carries the consumer's `kv_transfer_params` (`RemotePrefill::to_value`).
 //!   An aborted one frees at once and answers nothing.
 //! - Consumer requests (`do_remote_prefill`): every prompt token past the local prefix hit is
-//!   external and loads asynchronously. After allocation the local blocks
-//!   `table[local/bs .. cdiv(prompt, bs)]` are paired with the same positions of
-//!   `remote_block_ids` and handed to the workers as one READ. A producer whose blocks are `k`
+//!   external and loads asynchronously. After allocation, for each KV cache group, the local
+//!   blocks `table[local/bs .. cdiv(prompt, bs)]` are paired with the same positions of that
+//!   group's `remote_block_ids` (a sliding-window group skips the positions before its window,
+//!   null in its table) and handed to the workers as one READ. A producer whose blocks are `k`
 //!   times smaller (`remote_block_size`) pairs each of its blocks with a `k`-th of one of ours.
 //! - Roles are lenient like vLLM's: a `do_remote_decode` request on a consumer-only instance, or
 //!   a `do_remote_prefill` one on a producer-only instance, is served locally (a warning is

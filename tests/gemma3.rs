@@ -78,7 +78,8 @@ async fn a_prompt_past_the_window_moves_both_groups_verified_and_a_sliding_group
     let p = v["usage"]["prompt_tokens"].as_u64().unwrap() as usize;
     assert!(p > 800, "{p}");
     let blocks = p.div_ceil(16);
-    let window_blocks = blocks - (p + 1 - 512) / 16;
+    // the window of the last prompt token, which the consumer computes again for its logits
+    let window_blocks = blocks - (p - 512) / 16;
     let block_bytes = 2 * 16 * 256 * 4; // K and V of 16 tokens, one KV head of 256, f32
     let moved = pd
         .decode

@@ -481,7 +481,11 @@ impl Scheduler {
             };
             if matched.load_async {
                 let total = local_computed + matched.num_external_tokens;
-                if self.kv.allocate(id, total, total, Some(&prefix)).is_none() {
+                // A sliding-window group holds the window of the first token computed after
+                // the load: the last prompt token, computed again for its logits, which
+                // attends one position further back than the first output token.
+                let resume = total.min(self.requests[&id].num_tokens() - 1);
+                if self.kv.allocate(id, total, resume, Some(&prefix)).is_none() {
                     break;
                 }
                 let req = self.requests.get_mut(&id).expect("waiting request exists");

@@ -162,6 +162,15 @@ impl Harness {
     /// Two KV cache groups: `full` blocks of full attention, `sliding` blocks of a window of
     /// `window` tokens.
     fn hybrid(config: SchedulerConfig, full: usize, sliding: usize, window: usize) -> Self {
+        Self::hybrid_with_connector(config, full, sliding, window, Box::new(NoopConnector))
+    }
+    fn hybrid_with_connector(
+        config: SchedulerConfig,
+        full: usize,
+        sliding: usize,
+        window: usize,
+        connector: Box<dyn KvConnectorScheduler>,
+    ) -> Self {
         let kv = KvCacheManager::with_groups(
             &[
                 GroupPoolConfig {
@@ -177,13 +186,7 @@ impl Harness {
             true,
         );
         Harness {
-            sched: Scheduler::new(
-                config,
-                kv,
-                Box::new(NoopConnector),
-                Arc::new(Bytes),
-                vec![EOS],
-            ),
+            sched: Scheduler::new(config, kv, connector, Arc::new(Bytes), vec![EOS]),
             worker: MockWorker {
                 window: Some(window),
                 ..Default::default()
@@ -536,7 +539,8 @@ struct TestConnector {
 
 #[derive(Default)]
 struct TestConnectorState {
-    loads: Vec<(u64, Vec<BlockId>, usize)>,
+    /// (request, its block tables, external tokens)
+    loads: Vec<(u64, Vec<Vec<BlockId>>, usize)>,
     finished: Vec<(u64, FinishKind)>,
     hold: bool,
 }
@@ -568,12 +572,11 @@ impl KvConnectorScheduler for TestConnector {
         n: usize,
     ) {
         if n > 0 {
-            // The harness runs one KV cache group.
             self.state
                 .lock()
                 .unwrap()
                 .loads
-                .push((req.request_id, tables[0].clone(), n));
+                .push((req.request_id, tables.to_vec(), n));
         }
     }
     fn build_connector_meta(&mut self) -> ConnectorMetadata {
@@ -615,16 +618,26 @@ fn complete_loads_naming_invalid(
 ) {
     let loads = std::mem::take(&mut c.state.lock().unwrap().loads);
     let mut out = ConnectorOutput::default();
-    for (id, blocks, _n) in loads {
+    for (id, tables, _n) in loads {
         if fail.contains(&id) {
             out.failed_recving.insert(id, "peer went away".into());
         } else {
-            for (pos, &t) in prompts[&id].iter().enumerate() {
-                let block = blocks[pos / BLOCK];
-                let t = if invalid.contains(&block) { 7 } else { t };
-                h.worker
-                    .slots
-                    .insert((0, block as usize * BLOCK + pos % BLOCK), t);
+            // Every table's blocks (a sliding group's window), as a connector moves them.
+            for (g, blocks) in tables.iter().enumerate() {
+                for (pos, &t) in prompts[&id].iter().enumerate() {
+                    let block = blocks[pos / BLOCK];
+                    if block == NULL_BLOCK {
+                        continue;
+                    }
+                    let t = if g == 0 && invalid.contains(&block) {
+                        7
+                    } else {
+                        t
+                    };
+                    h.worker
+                        .slots
+                        .insert((g, block as usize * BLOCK + pos % BLOCK), t);
+                }
             }
         }
         out.finished_recving.insert(id);
@@ -660,6 +673,39 @@ fn remote_kv_load_waits_then_decodes_like_a_local_prefill() {
     h.run();
     assert_eq!(h.collect(id).0, solo(&p, greedy(6)));
     h.assert_empty();
+}
+
+/// With a sliding-window group, a load holds the window of the last prompt token too: that token
+/// is computed again after the load and attends `window` tokens back, one more than the first
+/// output token's window before it. Prompt lengths where that extra token starts a block (13,
+/// 17) and where it does not (15, 22).
+#[test]
+fn a_load_into_a_sliding_group_holds_the_window_the_recomputed_last_token_reads() {
+    for len in [13, 15, 17, 22] {
+        let c = TestConnector::default();
+        let mut h = Harness::hybrid_with_connector(
+            SchedulerConfig::default(),
+            40,
+            20,
+            10,
+            Box::new(c.clone()),
+        );
+        let p = prompt(40 + len as u32, len);
+        let id = h.add_with(p.clone(), greedy(6), Some(json!({"remote": len})));
+        h.step();
+        let tables = c.state.lock().unwrap().loads[0].1.clone();
+        let held = tables[1].iter().filter(|&&b| b != NULL_BLOCK).count();
+        assert!(held <= 4, "len {len}: {tables:?}");
+        complete_loads(
+            &mut h,
+            &c,
+            &HashMap::from([(id, p.clone())]),
+            &HashSet::new(),
+        );
+        h.run();
+        assert_eq!(h.collect(id).0, solo(&p, greedy(6)), "len {len}");
+        h.assert_empty();
+    }
 }
 
 #[test]
@@ -746,7 +792,7 @@ fn invalid_blocks_resume_the_request_at_the_first_of_them() {
         let p = prompt(13, n);
         let id = h.add_with(p.clone(), greedy(4), Some(json!({"remote": n})));
         h.step();
-        let bad = c.state.lock().unwrap().loads[0].1[bad_position];
+        let bad = c.state.lock().unwrap().loads[0].1[0][bad_position];
         complete_loads_naming_invalid(
             &mut h,
             &c,

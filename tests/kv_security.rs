@@ -3,6 +3,8 @@
 //!
 //! - Without a secret: a client that names the producer's engine and a victim's block ids reads
 //!   nothing of the victim's KV (the producer refuses the lease claim; the consumer recomputes),
+//!   and params whose `remote_block_size` differs from the producer's handshake are refused
+//!   before the claim,
 //!   non-loopback producers are never contacted, a non-loopback `--host` is refused at startup.
 //! - With a secret: P/D through the proxy equals one instance; unsigned, edited or expired params
 //!   are refused before any connection (401/403, counted by reason); the handshake answers only
@@ -122,6 +124,47 @@ async fn a_client_skipping_the_proxy_reads_no_other_requests_kv() {
     let (st, v) = greedy(&decode.base, VICTIM, Some(&victim)).await;
     assert_eq!(st, 200, "{v}");
     assert_eq!(text(&v), text(&victim_alone));
+    common::wait_all_free(&[&producer, &decode]).await;
+}
+
+/// `remote_block_size` decides how the consumer plans its READ; the producer's handshake decides
+/// how the transfer pairs blocks. A client holding real params that edits the block size (with a
+/// prompt of matching length, so the params still parse) is refused before the claim: its READ
+/// would land in other blocks of the consumer, and the single-use lease stays the victim's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn params_naming_another_producer_block_size_are_refused_before_the_claim() {
+    let producer = Server::serve(&["--kv-transfer-config", PRODUCER]);
+    let decode = Server::serve(&["--kv-transfer-config", &consumer("")]);
+    let victim = common::prefill_params(&producer, VICTIM).await;
+    let n = victim["remote_block_ids"].as_array().unwrap().len();
+    let mut forged = victim.clone();
+    forged["remote_block_size"] = json!(8);
+    // 8 n tokens fill n blocks of 8: the edited params are well formed.
+    let prompt: Vec<u32> = (0..8 * n as u32).map(|i| 100 + i % 50).collect();
+    let (st, v) = post(
+        &decode.base,
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 2, "temperature": 0,
+                "kv_transfer_params": forged}),
+    )
+    .await;
+    assert_eq!(st, 200, "recomputed: {v}");
+    assert!(
+        decode
+            .log_text()
+            .contains("kv_transfer_params say the producer's blocks hold Some(8) tokens"),
+        "the READ was not refused for its block size"
+    );
+    // The victim's consumer still claims its lease and loads.
+    let (st, v) = greedy(&decode.base, VICTIM, Some(&victim)).await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(
+        decode
+            .metric("tandem:kv_load_failures_total", &[("policy", "recompute")])
+            .await,
+        Some(1.0),
+        "only the forged load failed"
+    );
     common::wait_all_free(&[&producer, &decode]).await;
 }
 

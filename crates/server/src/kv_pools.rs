@@ -8,8 +8,9 @@
 //! (`max_num_seqs` windows of `cdiv(window, block_size) + 1` blocks plus one step's tokens); the
 //! rest of the memory goes to the full group. `--num-kv-blocks N` gives every group N.
 //!
-//! With `--kv-transfer-config` (P/D) the groups still share one table: the transfer and checksum
-//! paths move one block list per request (every group's layers at the same block ids).
+//! Pull-mode P/D moves a table per group too. In push mode (`NixlPushConnector`) the groups still
+//! share one table: its registration carries one block list per request (every group's layers at
+//! the same block ids).
 
 use std::collections::BTreeMap;
 

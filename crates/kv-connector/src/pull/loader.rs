@@ -69,6 +69,8 @@ pub(crate) struct LoadJob {
     pub remote_request_id: String,
     /// The blocks it moves, per KV cache group (or one list all groups share).
     pub ids: BlockPairs,
+    /// A READ: the producer's block size `ids` are in (see `LoadSpec::remote_block_size`).
+    pub remote_block_size: Option<usize>,
     /// The `POST /v1/kv/claim` body of a READ.
     pub claim_body: Option<String>,
     pub cancel: Arc<AtomicBool>,
@@ -514,6 +516,21 @@ impl LoaderThread {
             self.fail(&job, "a READ without the params to claim its lease".into());
             return;
         };
+        if job.kind == LoadKind::Read {
+            // The ids were planned in the block size the params name; the transfer pairs
+            // blocks in the one the producer's handshake names. Edited params must not make
+            // them differ (the READ would land in other blocks of ours).
+            let theirs = self.agent.peer_block_size(&name);
+            if theirs.is_none() || theirs != job.remote_block_size {
+                let reason = format!(
+                    "kv_transfer_params say the producer's blocks hold {:?} tokens, its \
+                     handshake says {theirs:?}",
+                    job.remote_block_size
+                );
+                self.fail(&job, reason);
+                return;
+            }
+        }
         let (path, what, auth_header) = if job.kind == LoadKind::Register {
             let (ours, theirs) = (self.agent.block_size(), self.agent.peer_block_size(&name));
             let mismatch = theirs.filter(|t| !t.is_multiple_of(ours));

@@ -128,6 +128,9 @@ pub struct LoadSpec {
     /// paired with the producer's source blocks; local ids are in the producer's units when
     /// its blocks are smaller (block `b` of ours is sub-blocks `b * k .. (b + 1) * k`).
     pub blocks: BlockPairs,
+    /// A READ: the producer's tokens per block the ids assume (from the params); the worker
+    /// refuses the READ unless the producer's handshake says the same.
+    pub remote_block_size: Option<usize>,
     /// A READ's `POST /v1/kv/claim` body (the request's params as the producer issued them).
     pub claim_body: Option<String>,
 }

@@ -171,6 +171,7 @@ impl NixlPullScheduler {
             peer: Self::peer(remote),
             remote_request_id: remote.remote_request_id.clone(),
             blocks: BlockPairs::shared(Vec::new(), Vec::new()),
+            remote_block_size: None,
             claim_body: None,
         }
     }
@@ -330,6 +331,8 @@ impl KvConnectorScheduler for NixlPullScheduler {
         match self.plan_load(request, block_tables, num_external_tokens, &remote) {
             Ok(blocks) => {
                 spec.blocks = blocks;
+                spec.remote_block_size =
+                    Some(remote.remote_block_size.unwrap_or(self.config.block_size));
                 let params = request.kv_transfer_params.cloned().unwrap_or_default();
                 spec.claim_body = Some(serde_json::json!({ PARAMS_FIELD: params }).to_string());
             }

@@ -204,6 +204,7 @@ impl NixlPullWorker {
             peer: spec.peer.clone(),
             remote_request_id: spec.remote_request_id.clone(),
             ids: spec.blocks.clone(),
+            remote_block_size: spec.remote_block_size,
             claim_body: spec.claim_body.clone(),
             cancel: cancel.clone(),
         };

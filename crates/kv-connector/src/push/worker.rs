@@ -141,6 +141,7 @@ impl NixlPushWorker {
             peer,
             remote_request_id: String::new(),
             ids: BlockPairs::shared(Vec::new(), Vec::new()),
+            remote_block_size: None,
             claim_body: None,
             cancel: Arc::new(AtomicBool::new(false)),
         }

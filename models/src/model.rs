@@ -39,12 +39,7 @@ pub struct SeqBatch<'a> {
 impl<'a> SeqBatch<'a> {
     /// The block table of KV cache group `group`.
     pub fn table(&self, group: usize) -> &'a [u32] {
-        let t = if self.block_tables.len() == 1 {
-            0
-        } else {
-            group
-        };
-        self.block_tables.get(t).map_or(&[], Vec::as_slice)
+        tandem_kv_cache::group_table(self.block_tables, group).map_or(&[], Vec::as_slice)
     }
 }
 
@@ -69,12 +64,7 @@ impl<'a> ForwardBatch<'a> {
 
     /// The cache slots of KV cache group `group`'s tokens.
     pub fn slots(&self, group: usize) -> &'a [usize] {
-        let t = if self.slot_mappings.len() == 1 {
-            0
-        } else {
-            group
-        };
-        self.slot_mappings.get(t).map_or(&[], Vec::as_slice)
+        tandem_kv_cache::group_table(self.slot_mappings, group).map_or(&[], Vec::as_slice)
     }
 
     /// Checks the invariants of the module docs against a cache with `block_size` tokens per block.

@@ -24,6 +24,8 @@ pub use block_pool::{BlockId, BlockPool};
 pub use dtype::CacheDtype;
 pub use error::KvCacheError;
 pub use layout::{BlockLayout, LayerKv, LayoutOrder};
-pub use manager::{CachedPrefix, GroupPoolConfig, KvCacheManager, PrefixCacheStats, NULL_BLOCK};
+pub use manager::{
+    group_table, CachedPrefix, GroupPoolConfig, KvCacheManager, PrefixCacheStats, NULL_BLOCK,
+};
 pub use spec::{KvCacheConfig, KvCacheGroup, KvCacheSpec};
 pub use storage::{KvPart, KvStorage, MemoryRegion};

@@ -32,6 +32,15 @@ use crate::block_pool::{BlockId, BlockPool};
 /// The table entry of a block a sliding-window group does not hold (before its window).
 pub const NULL_BLOCK: BlockId = BlockId::MAX;
 
+/// Group `group`'s entry of a request's per-group list (block tables, slot mappings, transfer
+/// pairs): one entry per KV cache group by group id, or a single entry every group shares.
+pub fn group_table<T>(per_group: &[T], group: usize) -> Option<&T> {
+    match per_group {
+        [shared] => Some(shared),
+        per_group => per_group.get(group),
+    }
+}
+
 /// Prefix-cache counters, in tokens (as vLLM's `prefix_cache_queries`/`hits`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PrefixCacheStats {

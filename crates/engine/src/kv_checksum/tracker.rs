@@ -20,7 +20,7 @@ use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use serde_json::Value;
-use tandem_kv_cache::{BlockId, KvCacheGroup, KvCacheSpec, NULL_BLOCK};
+use tandem_kv_cache::{group_table, BlockId, KvCacheGroup, KvCacheSpec, NULL_BLOCK};
 use tandem_kv_checksum::{
     compare, ChecksumRequest, GroupBlocks, Payload, RecordMerger, UnverifiedReason, Verdict,
 };
@@ -137,10 +137,7 @@ impl ChecksumTracker {
                 group_id: *group_id,
                 spec,
                 first_position: 0,
-                blocks: match tables.as_slice() {
-                    [shared] => shared,
-                    tables => tables.get(*group_id).unwrap_or(&empty),
-                },
+                blocks: group_table(&tables, *group_id).unwrap_or(&empty),
             })
             .collect();
         ChecksumRequest::for_load(first_token, num_tokens, &groups)

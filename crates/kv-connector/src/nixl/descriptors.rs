@@ -73,14 +73,6 @@ impl BlockPairs {
         BlockPairs(groups)
     }
 
-    /// The pairs group `group` moves; `None` for a group the transfer does not know.
-    pub fn group(&self, group: usize) -> Option<&GroupPairs> {
-        match self.0.as_slice() {
-            [shared] => Some(shared),
-            groups => groups.get(group),
-        }
-    }
-
     pub fn groups(&self) -> &[GroupPairs] {
         &self.0
     }

@@ -223,10 +223,7 @@ pub(crate) unsafe fn corrupt_source(
     let layer = rng.below(layers);
     let group = storage.layer_group(layer);
     // The layer's group's table (or the one every group shares).
-    let blocks = match tables {
-        [shared] => shared,
-        tables => tables.get(group)?,
-    };
+    let blocks = tandem_kv_cache::group_table(tables, group)?;
     let layout = storage.layout(layer);
     let bs = layout.block_size;
     let held: Vec<usize> = (0..blocks.len().min(num_tokens.div_ceil(bs)))

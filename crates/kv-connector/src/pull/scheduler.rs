@@ -180,14 +180,14 @@ impl NixlPullScheduler {
     /// `local_computed / remote_bs .. cdiv(prompt, remote_bs)` in the producer's units, skipping
     /// those a sliding-window group of ours holds no block for (before its window: not needed).
     /// A block we need that the producer does not hold, or tables that do not match, make the
-    /// load impossible (the reason).
+    /// load impossible (the reason). Also returns the producer block size the ids are in.
     fn plan_load(
         &self,
         request: &ConnectorRequest<'_>,
         block_tables: &[Vec<BlockId>],
         num_external_tokens: usize,
         remote: &RemotePrefill,
-    ) -> Result<BlockPairs, String> {
+    ) -> Result<(BlockPairs, usize), String> {
         let bs = self.config.block_size;
         // The producer's blocks may be smaller: `ratio` of them fill one of ours (checked when
         // the params were parsed), and the READ is planned in its units.
@@ -242,7 +242,7 @@ impl NixlPullScheduler {
             }
             groups.push(pairs);
         }
-        Ok(BlockPairs::per_group(groups))
+        Ok((BlockPairs::per_group(groups), remote_bs))
     }
 
     /// A new, unguessable id for a producer request's lease.
@@ -329,10 +329,9 @@ impl KvConnectorScheduler for NixlPullScheduler {
         }
         let mut spec = Self::spec(id, &remote, LoadKind::Read);
         match self.plan_load(request, block_tables, num_external_tokens, &remote) {
-            Ok(blocks) => {
+            Ok((blocks, remote_bs)) => {
                 spec.blocks = blocks;
-                spec.remote_block_size =
-                    Some(remote.remote_block_size.unwrap_or(self.config.block_size));
+                spec.remote_block_size = Some(remote_bs);
                 let params = request.kv_transfer_params.cloned().unwrap_or_default();
                 spec.claim_body = Some(serde_json::json!({ PARAMS_FIELD: params }).to_string());
             }

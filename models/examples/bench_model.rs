@@ -140,7 +140,7 @@ fn main() {
         let m = load_model(
             spec,
             &LoadOptions {
-                weights: mode,
+                weights: Some(mode),
                 ..Default::default()
             },
         )

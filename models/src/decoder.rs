@@ -218,6 +218,15 @@ pub(crate) struct DecoderWeights {
 }
 
 impl DecoderWeights {
+    /// Whether every layer matrix is stored as Q4_1 (see [`WeightMode::auto_for`]).
+    pub(crate) fn layers_q4_1(&self) -> bool {
+        self.layers.iter().all(|l| {
+            [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down]
+                .iter()
+                .all(|m| m.is_q4_1())
+        })
+    }
+
     /// Reads every tensor of the model and checks its shape against `cfg`.
     pub(crate) fn read(src: &mut dyn WeightSource, cfg: DecoderConfig) -> Result<Self, ModelError> {
         cfg.validate()?;

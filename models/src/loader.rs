@@ -52,8 +52,9 @@ pub enum LoadFormat {
 /// How to load a model.
 #[derive(Debug, Clone, Default)]
 pub struct LoadOptions {
-    /// How weights are held in memory (`--dtype`).
-    pub weights: WeightMode,
+    /// How weights are held in memory (`--dtype`); `None` (`auto`) picks the mode for this
+    /// CPU and the file's matrices ([`WeightMode::auto_for`]).
+    pub weights: Option<WeightMode>,
     /// The model cache directory; `None` resolves it as the module docs say.
     pub model_dir: Option<PathBuf>,
     pub format: LoadFormat,
@@ -258,8 +259,8 @@ pub fn resolve_model(spec: &str, opts: &LoadOptions) -> Result<(String, ModelSou
     )))
 }
 
-/// Resolves and loads a model: weights in `opts.weights` mode, one shard per rank of
-/// `opts.parallel`, tokenizer and chat template.
+/// Resolves and loads a model: weights in `opts.weights` mode (or the one `auto` picks), one
+/// shard per rank of `opts.parallel`, tokenizer and chat template.
 pub fn load_model(spec: &str, opts: &LoadOptions) -> Result<LoadedModel, ModelError> {
     let start = Instant::now();
     let (name, path, weights, tokenizer) = match &opts.format {
@@ -294,9 +295,12 @@ pub fn load_model(spec: &str, opts: &LoadOptions) -> Result<LoadedModel, ModelEr
         let world = CpuWorld::new(opts.parallel);
         (world.ranks(), Some(world))
     };
+    let mode = opts
+        .weights
+        .unwrap_or_else(|| WeightMode::auto_for(weights.layers_q4_1()));
     let ranks = comms
         .into_iter()
-        .map(|comm| Ok(Box::new(weights.shard(opts.weights, comm)?) as Box<dyn CausalLm>))
+        .map(|comm| Ok(Box::new(weights.shard(mode, comm)?) as Box<dyn CausalLm>))
         .collect::<Result<Vec<_>, ModelError>>()?;
     let info = ranks[0].info().clone();
     tracing::info!(

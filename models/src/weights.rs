@@ -4,7 +4,7 @@
 //! storage type; row operations (permute, concatenate) work on it before it becomes a `Linear`
 //! in the chosen [`WeightMode`]:
 //! - `F32`: dequantized to f32 (the accuracy mode);
-//! - `Q8_0` (the default): re-quantized to Q8_0 for candle's AVX512-VNNI tiled kernels, which
+//! - `Q8_0` (what `--dtype auto` picks on AVX512-VNNI CPUs): re-quantized to Q8_0 for candle's AVX512-VNNI tiled kernels, which
 //!   need `cols % 256 == 0` (SmolLM2's 576 is not): the matrix is zero-padded to the next
 //!   multiple of 256 (~10x faster than candle's untiled Q8_0 kernel for batched rows, see
 //!   BENCHMARKS.md). Those kernels quantize activations per 256 values, which outlier channels
@@ -48,17 +48,19 @@ use std::sync::Arc;
 use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{Device, Module, Tensor};
 
+use crate::cpu::Isa;
 use crate::error::ModelError;
 use crate::ops::{rotate_blocks, unrotate_blocks, HADAMARD_BLOCK};
 use crate::quant::{Q4_1Matrix, Q8Rows, Q8_0Matrix};
 
-/// How weights are held in memory. See the module docs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+/// How weights are held in memory. See the module docs; `--dtype auto` picks one per CPU and
+/// file with [`WeightMode::auto_for`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum WeightMode {
     /// Everything dequantized to f32: the accuracy mode.
     F32,
-    /// Matrices re-quantized to Q8_0 (padded for the VNNI kernels): the default on CPU.
-    #[default]
+    /// Matrices re-quantized to Q8_0 (padded for the VNNI kernels): what `auto` picks where
+    /// candle's tiled Q8_0 kernels run (AVX512-VNNI), and for files other than Q4_1.
     Q8_0,
     /// Matrices kept in the file's quantized type; f32 for unquantized (safetensors) files.
     /// Q4_1 (the default model) runs our batched kernel with f32 activations; Q8_0 matrices
@@ -84,6 +86,28 @@ impl WeightMode {
             _ => None,
         }
     }
+    /// The mode `--dtype auto` runs on this CPU for a model whose layer matrices are all Q4_1
+    /// (`layers_q4_1`) or not:
+    /// - `Q8_0` where candle's tiled Q8_0 kernels run: AVX512-VNNI, in the AVX-512 variant that
+    ///   [`Isa::active`] picks, with VNNI allowed (`TANDEM_CPU_VNNI`). Without those tiles every
+    ///   row runs candle's untiled dot product, which does not batch;
+    /// - else `NativeI8` for Q4_1 matrices on AVX2 or better: our integer kernel (on an
+    ///   AVX2-only Zen 1 2.0x q8_0's batch-1 decode and 3.6x its prefill, BENCHMARKS.md);
+    /// - else `Q8_0` (other files, and the portable variant, were not measured against it).
+    ///
+    /// `TANDEM_CPU_ISA=avx2` (or `TANDEM_CPU_VNNI=0`) on an AVX512-VNNI machine therefore makes
+    /// `auto` choose what an AVX2-only CPU gets.
+    pub fn auto_for(layers_q4_1: bool) -> WeightMode {
+        let isa = Isa::active();
+        if isa == Isa::Avx512 && crate::cpu::vnni_for(isa) == crate::cpu::Vnni::Evex {
+            WeightMode::Q8_0
+        } else if layers_q4_1 && isa >= Isa::Avx2 {
+            WeightMode::NativeI8
+        } else {
+            WeightMode::Q8_0
+        }
+    }
+
     pub const fn name(self) -> &'static str {
         match self {
             WeightMode::F32 => "f32",
@@ -120,6 +144,17 @@ pub(crate) struct HostMatrix {
 }
 
 impl HostMatrix {
+    /// Whether the matrix is stored as Q4_1 (what our integer kernel multiplies).
+    pub fn is_q4_1(&self) -> bool {
+        matches!(
+            self.data,
+            MatData::Quant {
+                dtype: GgmlDType::Q4_1,
+                ..
+            }
+        )
+    }
+
     pub fn from_f32(rows: usize, cols: usize, data: Vec<f32>) -> Result<Self, ModelError> {
         if data.len() != rows * cols {
             return Err(ModelError::format(format!(
@@ -516,6 +551,24 @@ impl Linear {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn auto_picks_native_i8_for_q4_1_files_where_candle_has_no_vnni_tiles() {
+        use crate::cpu::{on_this_thread, vnni_for, Vnni};
+        for isa in Isa::runnable() {
+            let (q4_1, other) = on_this_thread(isa, || {
+                (WeightMode::auto_for(true), WeightMode::auto_for(false))
+            });
+            assert_eq!(other, WeightMode::Q8_0, "{isa:?}: a file other than Q4_1");
+            let tiles = isa == Isa::Avx512 && vnni_for(isa) == Vnni::Evex;
+            let want = match isa {
+                Isa::Portable => WeightMode::Q8_0,
+                _ if tiles => WeightMode::Q8_0,
+                _ => WeightMode::NativeI8,
+            };
+            assert_eq!(q4_1, want, "{isa:?} (candle's VNNI tiles: {tiles})");
+        }
+    }
 
     fn matrix(rows: usize, cols: usize) -> HostMatrix {
         let v = (0..rows * cols)

@@ -295,7 +295,7 @@ fn hf_directory_gguf_file_and_hub_id_load_the_same_model() {
     std::env::set_var("HF_HUB_CACHE", &hub);
 
     let f32_opts = LoadOptions {
-        weights: WeightMode::F32,
+        weights: Some(WeightMode::F32),
         ..Default::default()
     };
     let a = load_model(hf.to_str().unwrap(), &f32_opts).unwrap();
@@ -347,7 +347,7 @@ fn hf_directory_gguf_file_and_hub_id_load_the_same_model() {
     let q = load_model(
         hf.to_str().unwrap(),
         &LoadOptions {
-            weights: WeightMode::Q8_0,
+            weights: Some(WeightMode::Q8_0),
             ..Default::default()
         },
     )

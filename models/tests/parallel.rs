@@ -152,7 +152,7 @@ fn compare(opts: &LoadOptions, spec: &str, layout: ParallelConfig, new_tokens: u
 
 fn smollm2_f32() -> Option<LoadOptions> {
     let opts = LoadOptions {
-        weights: WeightMode::F32,
+        weights: Some(WeightMode::F32),
         ..Default::default()
     };
     if let Err(e) = resolve_model("smollm2-135m", &opts) {
@@ -184,7 +184,7 @@ fn tp3_pp2_and_both_give_the_tp1_answers() {
 #[test]
 fn gemma3_tp2_replicates_its_single_kv_head_and_gives_the_tp1_answers() {
     let opts = LoadOptions {
-        weights: WeightMode::F32,
+        weights: Some(WeightMode::F32),
         ..Default::default()
     };
     if let Err(e) = resolve_model("gemma3-270m", &opts) {
@@ -210,7 +210,7 @@ fn dummy_opts(dir: &std::path::Path) -> LoadOptions {
     )
     .unwrap();
     LoadOptions {
-        weights: WeightMode::F32,
+        weights: Some(WeightMode::F32),
         format: LoadFormat::Dummy { config },
         ..Default::default()
     }

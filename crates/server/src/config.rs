@@ -28,8 +28,9 @@ pub struct ServeArgs {
     pub host: Option<String>,
     #[arg(long, env = "TANDEM_PORT", default_value_t = 8000)]
     pub port: u16,
-    /// Weight mode: `auto` (the fastest measured on CPU), `f32` (everything dequantized: the
-    /// accuracy mode), or a quantized mode the model loader names.
+    /// Weight mode: `auto` (the fastest measured for this CPU and file: `q8_0` with
+    /// AVX512-VNNI, `native-i8` for Q4_1 files on other AVX2 CPUs), `f32` (everything
+    /// dequantized: the accuracy mode), `q8_0`, `native` or `native-i8`.
     #[arg(long, env = "TANDEM_DTYPE", default_value = "auto")]
     pub dtype: String,
     /// Tensor-parallel size: workers (threads of this process) that each hold a slice of every

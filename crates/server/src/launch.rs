@@ -134,10 +134,10 @@ pub fn build_instance(
         )
     })?;
     let weights = match args.dtype.as_str() {
-        "auto" => WeightMode::default(),
-        other => WeightMode::parse(other).with_context(|| {
+        "auto" => None,
+        other => Some(WeightMode::parse(other).with_context(|| {
             format!("--dtype `{other}`: expected auto, f32, q8_0, native or native-i8")
-        })?,
+        })?),
     };
     if args.block_size == 0 || args.block_size > 1024 {
         bail!(
@@ -234,7 +234,7 @@ pub fn build_instance(
     .set(1.0);
     tracing::info!(
         model = %loaded.name,
-        weights = %weights,
+        weights = %loaded.info.weight_mode,
         kv_cache_dtype = %cache_dtype,
         num_blocks,
         group_blocks = ?pools.group_blocks,

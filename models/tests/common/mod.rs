@@ -17,7 +17,7 @@ pub fn load(weights: WeightMode) -> Option<LoadedModel> {
 /// Loads embedded model `name`, or returns `None` (after saying so) when its file is absent.
 pub fn load_named(name: &str, weights: WeightMode) -> Option<LoadedModel> {
     let opts = LoadOptions {
-        weights,
+        weights: Some(weights),
         ..Default::default()
     };
     if let Err(e) = resolve_model(name, &opts) {

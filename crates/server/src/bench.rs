@@ -99,6 +99,9 @@ async fn one_request(
             if v.get("error").is_some() {
                 bail!("stream error: {v}");
             }
+            if !carries_a_token(&v) {
+                continue;
+            }
             let now = Instant::now();
             match last {
                 None => t.ttft = (now - start).as_secs_f64(),
@@ -109,6 +112,17 @@ async fn one_request(
         }
     }
     Ok(t)
+}
+
+/// Whether a streamed completion event carries an output token: text, or no finish reason yet
+/// (a token whose bytes end inside a UTF-8 character streams empty text). A server that ends
+/// with an empty event holding only the finish reason (llama-server) or only usage sends no
+/// token in it.
+fn carries_a_token(event: &Value) -> bool {
+    let Some(choice) = event["choices"].get(0) else {
+        return false;
+    };
+    choice["text"].as_str().is_some_and(|t| !t.is_empty()) || choice["finish_reason"].is_null()
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -204,8 +218,12 @@ fn vm_readv_gbps(bytes: usize) -> f64 {
 
 /// Runs the benchmark and prints its results.
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
+    // A connection per request: servers that close kept-alive connections after a few requests
+    // (llama-server) would otherwise race a reused one ("connection closed before message
+    // completed"); a loopback connect costs far less than a time to first token.
     let client = reqwest::Client::builder()
         .timeout(Duration::from_secs(600))
+        .pool_max_idle_per_host(0)
         .build()?;
     let url = args.url.trim_end_matches('/').to_string();
     // Warm up (model pages, allocator) with one short request.
@@ -317,4 +335,29 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_finish_only_or_usage_only_event_is_not_a_token() {
+        let ev = |text: &str, finish: Value| json!({"choices": [{"index": 0, "text": text, "finish_reason": finish}]});
+        assert!(carries_a_token(&ev("ter", Value::Null)));
+        assert!(
+            carries_a_token(&ev(",", json!("length"))),
+            "last token with its reason"
+        );
+        assert!(
+            carries_a_token(&ev("", Value::Null)),
+            "a token inside a character"
+        );
+        assert!(
+            !carries_a_token(&ev("", json!("length"))),
+            "llama-server's closing event"
+        );
+        assert!(!carries_a_token(&json!({"choices": [], "usage": {}})));
+        assert!(!carries_a_token(&json!({"object": "text_completion"})));
+    }
 }

@@ -178,7 +178,8 @@ fuzz_target!(|input: Input| {
         .block_ids
         .iter()
         .copied()
-        .filter(|i| seen.insert(*i))
+        // NULL_BLOCK (no block) is never a producer's block id
+        .filter(|&i| i != tandem_kv_cache::NULL_BLOCK && seen.insert(i))
         .take(64)
         .collect();
     if block_ids.is_empty() {
@@ -187,11 +188,13 @@ fuzz_target!(|input: Input| {
     let remote = RemotePrefill {
         remote_engine_id: id(&b.engine_id, "p0"),
         remote_request_id: id(&b.request_id, "3-abc"),
-        remote_block_ids: block_ids,
+        remote_block_ids: vec![block_ids],
         remote_host: host(&b.host),
         remote_port: b.port.max(1),
         tp_size: 1,
+        remote_block_size: None,
     };
+    let prompt_len = remote.remote_block_ids[0].len() * BLOCK_SIZE;
     let auth = TransferAuth::new(SECRET).expect("a long enough secret");
     let answer = |signed_at: u64, ttl: Duration| {
         let mut v = remote.to_value();
@@ -271,7 +274,6 @@ fuzz_target!(|input: Input| {
 
     // What a verified object means: the producer's answer, or a refusal.
     if should_verify {
-        let prompt_len = remote.remote_block_ids.len() * BLOCK_SIZE;
         match TransferRequest::parse(Some(&edited), prompt_len, BLOCK_SIZE) {
             Ok(TransferRequest::Consumer(r)) => assert_eq!(r, remote),
             Ok(other) => panic!("signed consumer params parsed as {other:?}"),
@@ -303,6 +305,7 @@ fuzz_target!(|input: Input| {
     leases.issue(
         &remote.remote_request_id,
         &remote.remote_block_ids,
+        prompt_len,
         Instant::now() + Duration::from_secs(3600),
     );
     let service = KvPeerService::new(

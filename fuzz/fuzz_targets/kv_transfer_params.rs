@@ -15,9 +15,12 @@
 
 use libfuzzer_sys::fuzz_target;
 use serde_json::{json, Value};
+use tandem_kv_cache::NULL_BLOCK;
 use tandem_kv_connector::allowlist::ProducerAllowlist;
 use tandem_kv_connector::auth::TransferAuth;
-use tandem_kv_connector::params::{RemotePrefill, TransferRequest, MAX_BLOCK_IDS, MAX_ID_LEN};
+use tandem_kv_connector::params::{
+    RemotePrefill, TransferRequest, MAX_BLOCK_IDS, MAX_ID_LEN, MAX_KV_GROUPS, MAX_TP_SIZE,
+};
 use tandem_kv_connector::pull::{
     HandshakeProvider, KvAdmission, KvPeerService, LeaseTable, ReleaseOutcome, HANDSHAKE_PATH,
 };
@@ -46,29 +49,43 @@ fn assert_invariants(r: &RemotePrefill) {
     assert!(valid_id(&r.remote_request_id), "{r:?}");
     assert!(valid_host(&r.remote_host), "{r:?}");
     assert!(r.remote_port >= 1, "{r:?}");
-    assert_eq!(r.tp_size, 1, "{r:?}");
-    let mut ids = r.remote_block_ids.clone();
-    ids.sort_unstable();
-    ids.dedup();
-    assert_eq!(ids.len(), r.remote_block_ids.len(), "repeated block ids");
+    assert!((1..=MAX_TP_SIZE).contains(&r.tp_size), "{r:?}");
+    assert!(
+        (1..=MAX_KV_GROUPS).contains(&r.remote_block_ids.len()),
+        "{r:?}"
+    );
+    for table in &r.remote_block_ids {
+        assert!((1..=MAX_BLOCK_IDS).contains(&table.len()), "{r:?}");
+        // nulls (before a sliding window) lead; blocks are distinct within a table
+        let first = table
+            .iter()
+            .position(|&b| b != NULL_BLOCK)
+            .expect("a table holds a block");
+        assert!(table[first..].iter().all(|&b| b != NULL_BLOCK), "{r:?}");
+        let mut ids = table[first..].to_vec();
+        ids.sort_unstable();
+        ids.dedup();
+        assert_eq!(ids.len(), table.len() - first, "repeated block ids");
+    }
     // What a producer answers parses back to the same thing (a producer never answers an empty
     // block list: only a prompt of 0 tokens, which the engine refuses, parses to one).
-    if !r.remote_block_ids.is_empty() {
-        assert_eq!(
-            RemotePrefill::from_params(&r.to_value()).as_ref().ok(),
-            Some(r)
-        );
-    }
+    assert_eq!(
+        RemotePrefill::from_params(&r.to_value()).as_ref().ok(),
+        Some(r)
+    );
 }
 
 fn check_parse(value: &Value, prompt_len: usize, block_size: usize) {
     match TransferRequest::parse(Some(value), prompt_len, block_size) {
         Ok(TransferRequest::Consumer(r)) => {
-            assert_eq!(
-                r.remote_block_ids.len(),
-                prompt_len.div_ceil(block_size.max(1)),
-                "block count does not fit a prompt of {prompt_len} in blocks of {block_size}"
-            );
+            let bs = r.remote_block_size.unwrap_or(block_size).max(1);
+            for table in &r.remote_block_ids {
+                assert_eq!(
+                    table.len(),
+                    prompt_len.div_ceil(bs),
+                    "block count does not fit a prompt of {prompt_len} in blocks of {bs}"
+                );
+            }
             assert_invariants(&r);
             assert_eq!(
                 TransferRequest::parse(Some(&r.to_value()), prompt_len, block_size).ok(),
@@ -77,6 +94,15 @@ fn check_parse(value: &Value, prompt_len: usize, block_size: usize) {
         }
         Ok(TransferRequest::Producer) => {
             assert_eq!(value.get("do_remote_decode"), Some(&Value::Bool(true)));
+        }
+        Ok(TransferRequest::PushProducer { transfer_id }) => {
+            assert!(valid_id(&transfer_id));
+            assert_eq!(value.get("do_remote_decode"), Some(&Value::Bool(true)));
+        }
+        Ok(TransferRequest::PushConsumer(push)) => {
+            assert!(valid_id(&push.transfer_id));
+            assert!(valid_host(&push.remote_host));
+            assert_eq!(value.get("do_remote_prefill"), Some(&Value::Bool(true)));
         }
         Ok(TransferRequest::Local) => {
             assert_ne!(value.get("do_remote_prefill"), Some(&Value::Bool(true)));
@@ -93,7 +119,8 @@ fn service(auth: Option<TransferAuth>) -> (KvPeerService, LeaseTable) {
     let leases = LeaseTable::new();
     leases.issue(
         LEASE,
-        &LEASE_BLOCKS,
+        &[LEASE_BLOCKS.to_vec()],
+        LEASE_BLOCKS.len() * 16,
         std::time::Instant::now() + std::time::Duration::from_secs(3600),
     );
     let s = KvPeerService::new(
@@ -112,7 +139,7 @@ fn names_the_lease(params: Option<&Value>) -> bool {
         .is_some_and(|r| {
             r.remote_engine_id == ENGINE
                 && r.remote_request_id == LEASE
-                && r.remote_block_ids == LEASE_BLOCKS
+                && r.remote_block_ids == [LEASE_BLOCKS.to_vec()]
         })
 }
 
@@ -155,13 +182,20 @@ fn check_services(body: &Value) {
 fn check_admission(value: &Value) {
     let auth = TransferAuth::new(SECRET).expect("a long enough secret");
     let wants_prefill = value.get("do_remote_prefill") == Some(&Value::Bool(true));
+    // Push consumer params (with a `transfer_id`) come from the proxy unsigned by design: the
+    // consumer only offers its own blocks for the producer's WRITE; their address is checked.
+    let push = value.get("transfer_id").is_some_and(|t| !t.is_null());
     let signed = KvAdmission::new(Some(auth), ProducerAllowlist::any());
     match signed.check(Some(value)) {
+        Ok(()) if push && wants_prefill => assert!(matches!(
+            TransferRequest::parse(Some(value), 0, 1),
+            Ok(TransferRequest::PushConsumer(_))
+        )),
         Ok(()) => assert!(!wants_prefill, "unsigned do_remote_prefill params admitted"),
         Err(e) => assert!(wants_prefill, "non-consumer params refused: {e}"),
     }
     let open = KvAdmission::new(None, ProducerAllowlist::loopback());
-    if open.check(Some(value)).is_ok() && wants_prefill {
+    if open.check(Some(value)).is_ok() && wants_prefill && !push {
         let r = RemotePrefill::from_params(value).expect("admitted params parse");
         assert_invariants(&r);
     }
@@ -181,9 +215,10 @@ fuzz_target!(|data: &[u8]| {
     // A block size from 1 to 64 and a prompt that fits the block list, when there is one,
     // so that the consumer path is reached; then sizes at the edges.
     let block_size = 1 + data.len() % 64;
-    let n = value
-        .get("remote_block_ids")
-        .and_then(Value::as_array)
+    // the flat list's length, or the first group's where there is one list per group
+    let ids = value.get("remote_block_ids").and_then(Value::as_array);
+    let n = ids
+        .map(|a| a.first().and_then(Value::as_array).unwrap_or(a))
         .map_or(1, |a| a.len().max(1));
     let fitting = (n - 1) * block_size + 1 + data.first().map_or(0, |&b| b as usize) % block_size;
     for (prompt_len, bs) in [
@@ -200,7 +235,6 @@ fuzz_target!(|data: &[u8]| {
 
     if let Ok(r) = RemotePrefill::from_params(&value) {
         assert_invariants(&r);
-        assert!((1..=MAX_BLOCK_IDS).contains(&r.remote_block_ids.len()));
         assert_eq!(value.get("do_remote_prefill"), Some(&Value::Bool(true)));
     }
     check_admission(&value);

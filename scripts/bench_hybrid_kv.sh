@@ -5,7 +5,7 @@
 # one request of TOKENS prompt tokens and STEPS output tokens while /metrics is polled; the
 # most blocks held per group (pool total minus free) are reported, and bytes from Gemma 3 270M's
 # shape (3 full-attention and 15 sliding layers, 1 KV head of 256, the f32 cache). The most
-# includes a prefill step's new blocks (--max-num-batched-tokens, default 2048: pass CHUNK);
+# includes a prefill step's new blocks (--max-num-batched-tokens; this script's default 2048: pass CHUNK);
 # "held while decoding" is the last sample before the answer.
 # Usage: CHUNK=512 scripts/bench_hybrid_kv.sh ...  (the prefill chunk)
 # Usage: scripts/bench_hybrid_kv.sh [TOKENS (default 4096)] [STEPS (default 32)]

@@ -187,6 +187,17 @@ pub fn build_instance(
     // Every rank holds every block id of a group (its layers and heads of it): a block costs
     // all of them.
     let groups_for_checksums = rank_groups[0].clone();
+    // The step budget: as given, else the chunked default, else the whole context (a prompt
+    // must fit one step without chunked prefill).
+    let step_budget = |max_model_len: usize| {
+        args.max_num_batched_tokens
+            .unwrap_or(if args.enable_chunked_prefill {
+                crate::config::DEFAULT_STEP_BUDGET
+            } else {
+                max_model_len
+            })
+            .max(1)
+    };
     let pools = crate::kv_pools::size_pools(
         &rank_groups,
         crate::kv_pools::PoolLimits {
@@ -199,7 +210,9 @@ pub fn build_instance(
                 .is_some_and(|t| t.kv_mode() == tandem_kv_connector::KvMode::Push),
             sliding_ratio: args.sliding_window_pool_ratio,
             max_num_seqs: args.max_num_seqs.max(1),
-            max_num_batched_tokens: args.max_num_batched_tokens.max(1),
+            max_num_batched_tokens: step_budget(
+                args.max_model_len.unwrap_or(info.max_position_embeddings),
+            ),
         },
     )
     .map_err(anyhow::Error::msg)?;
@@ -281,7 +294,7 @@ pub fn build_instance(
         _ => KvLoadFailurePolicy::Recompute,
     };
     let sched_config = SchedulerConfig {
-        max_num_batched_tokens: args.max_num_batched_tokens.max(1),
+        max_num_batched_tokens: step_budget(max_model_len),
         max_num_seqs: args.max_num_seqs.max(1),
         max_model_len,
         enable_chunked_prefill: args.enable_chunked_prefill,
@@ -289,10 +302,10 @@ pub fn build_instance(
         kv_load_failure_policy: policy,
         kv_partial_recompute: transfer.as_ref().is_none_or(|t| t.kv_partial_recompute),
     };
-    if !args.enable_chunked_prefill && args.max_num_batched_tokens < max_model_len {
+    if !args.enable_chunked_prefill && sched_config.max_num_batched_tokens < max_model_len {
         bail!(
             "without chunked prefill, --max-num-batched-tokens ({}) must be at least the max model length ({max_model_len})",
-            args.max_num_batched_tokens
+            sched_config.max_num_batched_tokens
         );
     }
     let mut scheduler = Scheduler::new(

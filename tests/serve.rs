@@ -1476,18 +1476,17 @@ async fn the_default_step_budget_chunks_a_long_prompt_and_without_chunking_takes
     let prompt: Vec<u32> = (0..1200).map(|i| 1000 + (i * 7919 % 20_000)).collect();
     let body = json!({"prompt": prompt, "max_tokens": 1, "temperature": 0});
     // Steps of more than `le` tokens, and steps in all.
-    let steps = |s: &Server, le: &'static str| {
-        let s = s.url("/metrics");
-        async move {
-            let text = reqwest::get(s).await.unwrap().text().await.unwrap();
-            let count = common::parse_metric(&text, "tandem:iteration_tokens_total_count", &[])
-                .expect("the step histogram");
-            let within =
-                common::parse_metric(&text, "tandem:iteration_tokens_total_bucket", &[("le", le)])
-                    .expect("the bucket");
-            (count - within, count)
-        }
-    };
+    async fn steps(s: &Server, le: &str) -> (f64, f64) {
+        let count = s
+            .metric("tandem:iteration_tokens_total_count", &[])
+            .await
+            .expect("the step histogram");
+        let within = s
+            .metric("tandem:iteration_tokens_total_bucket", &[("le", le)])
+            .await
+            .expect("the bucket");
+        (count - within, count)
+    }
 
     let chunked = Server::serve(&[]);
     let (st, out) = post(&chunked, "/v1/completions", body.clone()).await;

@@ -4,21 +4,21 @@
 //! storage type; row operations (permute, concatenate) work on it before it becomes a `Linear`
 //! in the chosen [`WeightMode`]:
 //! - `F32`: dequantized to f32 (the accuracy mode);
-//! - `Q8_0` (what `--dtype auto` picks on AVX512-VNNI CPUs): re-quantized to Q8_0 for candle's AVX512-VNNI tiled kernels, which
-//!   need `cols % 256 == 0` (SmolLM2's 576 is not): the matrix is zero-padded to the next
-//!   multiple of 256 (~10x faster than candle's untiled Q8_0 kernel for batched rows, see
-//!   BENCHMARKS.md). Those kernels quantize activations per 256 values, which outlier channels
-//!   make coarse; so the input dimension is rotated by a fixed orthogonal `R` (random signs, then
-//!   a Hadamard transform, per 256-block: [`crate::ops::rotate_blocks`]): the weights are stored
-//!   as `W R`, inputs are rotated likewise, `(x R)(W R)ᵀ = x Wᵀ`. The rotation spreads outliers
-//!   over the block. Teacher-forced over the reference prompts (models/tests/weight_modes.rs) it
-//!   cut the mean KL divergence from the f32 logits from 0.020 to 0.003 and raised top-1
-//!   agreement from 354 to 370 of 384 steps. Free-running greedy text still differs from f32
-//!   wherever a near-tie flips: on "What is the capital of France?" the reference's first token
-//!   wins by 0.08 logits ("The" over "L"), and rotated Q8_0 picks "L" (as native Q4_1 did
-//!   through candle's kernel, which quantized activations to 8 bits; unrotated Q8_0 happened to
-//!   keep "The"); prefill plus step-by-step decode equals one teacher-forced forward exactly, so
-//!   that is a flip, not a decode bug;
+//! - `Q8_0` (what `--dtype auto` picks on AVX512-VNNI CPUs): re-quantized to Q8_0 for candle's
+//!   AVX512-VNNI tiled kernels, which need `cols % 256 == 0` (SmolLM2's 576 is not): the matrix is
+//!   zero-padded to the next multiple of 256 (~10x faster than candle's untiled Q8_0 kernel for
+//!   batched rows, see BENCHMARKS.md). Those kernels quantize activations per 256 values, which
+//!   outlier channels make coarse; so the input dimension is rotated by a fixed orthogonal `R`
+//!   (random signs, then a Hadamard transform, per 256-block: [`crate::ops::rotate_blocks`]): the
+//!   weights are stored as `W R`, inputs are rotated likewise, `(x R)(W R)ᵀ = x Wᵀ`. The rotation
+//!   spreads outliers over the block. Teacher-forced over the reference prompts
+//!   (models/tests/weight_modes.rs) it cut the mean KL divergence from the f32 logits from 0.020 to
+//!   0.003 and raised top-1 agreement from 354 to 370 of 384 steps. Free-running greedy text still
+//!   differs from f32 wherever a near-tie flips: on "What is the capital of France?" the
+//!   reference's first token wins by 0.08 logits ("The" over "L"), and rotated Q8_0 picks "L" (as
+//!   native Q4_1 did through candle's kernel, which quantized activations to 8 bits; unrotated Q8_0
+//!   happened to keep "The"); prefill plus step-by-step decode equals one teacher-forced forward
+//!   exactly, so that is a flip, not a decode bug;
 //! - `Native`: kept in the file's quantized type: the smallest. Q4_1 (the default file's type)
 //!   is multiplied by our own batched kernel (`q4_1.rs`): f32 activations, each block
 //!   dequantized once per pass and applied to up to 8 input rows, so rows share the weight

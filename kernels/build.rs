@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::process::Command;
 
 /// Kernel sources under `cuda/`, each compiled to `$OUT_DIR/<name>.ptx`.
-const SOURCES: &[&str] = &["kv_checksum", "testing"];
+const SOURCES: &[&str] = &["kv_checksum", "testing", "decoder"];
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");

@@ -17,7 +17,19 @@ pub enum KernelError {
     /// A checksum job does not fit the device memory or the kernel's limits.
     #[error(transparent)]
     Checksum(#[from] KvChecksumError),
+    /// A model shape, weight or step the GPU decoder cannot run.
+    #[error("GPU decoder: {0}")]
+    Shape(String),
+    /// A cuBLAS call failed.
+    #[error("cuBLAS: {0}")]
+    Blas(String),
     /// A device KV cache shape or access that cannot be served.
     #[error("device KV cache: {0}")]
     Cache(String),
+}
+
+impl KernelError {
+    pub(crate) fn blas(e: cudarc::cublas::result::CublasError) -> Self {
+        KernelError::Blas(format!("{e:?}"))
+    }
 }

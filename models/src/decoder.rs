@@ -692,3 +692,45 @@ impl CausalLm for Decoder {
         (self.comm.config(), self.comm.rank())
     }
 }
+
+#[cfg(feature = "cuda")]
+impl DecoderWeights {
+    pub(crate) fn config(&self) -> &DecoderConfig {
+        &self.cfg
+    }
+
+    /// The f32 values of one tensor in the GPU decoder's fused layout (Q, K, V rows in one
+    /// matrix, gate and up rows in one).
+    pub(crate) fn gpu_tensor(
+        &self,
+        tensor: tandem_kernels::cuda::Tensor,
+    ) -> Result<Vec<f32>, ModelError> {
+        use tandem_kernels::cuda::Tensor;
+        let layer = |l: usize| {
+            self.layers
+                .get(l)
+                .ok_or_else(|| ModelError::format(format!("no layer {l}")))
+        };
+        match tensor {
+            Tensor::Embedding => self.embed.to_f32(),
+            Tensor::Output => self
+                .head
+                .as_ref()
+                .unwrap_or(&self.embed)
+                .to_f32(),
+            Tensor::FinalNorm => Ok(self.norm.clone()),
+            Tensor::AttnNorm(l) => Ok(layer(l)?.norms.attn.clone()),
+            Tensor::FfnNorm(l) => Ok(layer(l)?.norms.ffn.clone()),
+            Tensor::Qkv(l) => {
+                let w = layer(l)?;
+                HostMatrix::concat_rows(&[w.q.clone(), w.k.clone(), w.v.clone()])?.to_f32()
+            }
+            Tensor::AttnOutput(l) => layer(l)?.o.to_f32(),
+            Tensor::GateUp(l) => {
+                let w = layer(l)?;
+                HostMatrix::concat_rows(&[w.gate.clone(), w.up.clone()])?.to_f32()
+            }
+            Tensor::Down(l) => layer(l)?.down.to_f32(),
+        }
+    }
+}

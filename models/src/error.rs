@@ -35,6 +35,10 @@ pub enum ModelError {
     /// A layout the model cannot be split into, or a collective that failed in a step.
     #[error("parallel: {0}")]
     Parallel(#[from] tandem_parallel::ParallelError),
+    /// The GPU, its driver or a GPU kernel failed (the `cuda` feature).
+    #[cfg(feature = "cuda")]
+    #[error("GPU: {0}")]
+    Gpu(#[from] tandem_kernels::KernelError),
 }
 
 impl ModelError {

@@ -20,6 +20,8 @@
 pub mod attention;
 pub mod chat_template;
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod decoder;
 mod dummy;
 pub mod error;

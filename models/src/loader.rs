@@ -263,32 +263,7 @@ pub fn resolve_model(spec: &str, opts: &LoadOptions) -> Result<(String, ModelSou
 /// shard per rank of `opts.parallel`, tokenizer and chat template.
 pub fn load_model(spec: &str, opts: &LoadOptions) -> Result<LoadedModel, ModelError> {
     let start = Instant::now();
-    let (name, path, weights, tokenizer) = match &opts.format {
-        LoadFormat::Dummy { config } => {
-            let cfg = dummy_config(config)?;
-            let tokenizer = TextTokenizer::byte_level(cfg.vocab_size)?;
-            let weights = DecoderWeights::read(&mut DummySource::new(&cfg), cfg)?;
-            (spec.to_owned(), config.clone(), weights, tokenizer)
-        }
-        LoadFormat::Auto => {
-            let (name, source) = resolve_model(spec, opts)?;
-            let (weights, tokenizer) = match &source {
-                ModelSource::Gguf(path) => {
-                    let mut g = GgufFile::open(path)?;
-                    let cfg = DecoderConfig::from_gguf(&mut g)?;
-                    let tokenizer = TextTokenizer::from_gguf(&g)?;
-                    (DecoderWeights::read(&mut g, cfg)?, tokenizer)
-                }
-                ModelSource::HfDir(dir) => {
-                    let cfg = hf_config(dir)?;
-                    let tokenizer = TextTokenizer::from_hf_dir(dir)?;
-                    let mut src = SafetensorsSource::open(dir)?;
-                    (DecoderWeights::read(&mut src, cfg)?, tokenizer)
-                }
-            };
-            (name, source.path().to_owned(), weights, tokenizer)
-        }
-    };
+    let (name, path, weights, tokenizer) = read_weights(spec, opts)?;
     let (comms, world): (Vec<Arc<dyn Collectives>>, _) = if opts.parallel.is_single() {
         (vec![Arc::new(SingleRank)], None)
     } else {
@@ -324,6 +299,39 @@ pub fn load_model(spec: &str, opts: &LoadOptions) -> Result<LoadedModel, ModelEr
         tokenizer,
         info,
         path,
+    })
+}
+
+/// Resolves `spec` and reads its weights and tokenizer: (name, path, weights, tokenizer).
+pub(crate) fn read_weights(
+    spec: &str,
+    opts: &LoadOptions,
+) -> Result<(String, PathBuf, DecoderWeights, TextTokenizer), ModelError> {
+    Ok(match &opts.format {
+        LoadFormat::Dummy { config } => {
+            let cfg = dummy_config(config)?;
+            let tokenizer = TextTokenizer::byte_level(cfg.vocab_size)?;
+            let weights = DecoderWeights::read(&mut DummySource::new(&cfg), cfg)?;
+            (spec.to_owned(), config.clone(), weights, tokenizer)
+        }
+        LoadFormat::Auto => {
+            let (name, source) = resolve_model(spec, opts)?;
+            let (weights, tokenizer) = match &source {
+                ModelSource::Gguf(path) => {
+                    let mut g = GgufFile::open(path)?;
+                    let cfg = DecoderConfig::from_gguf(&mut g)?;
+                    let tokenizer = TextTokenizer::from_gguf(&g)?;
+                    (DecoderWeights::read(&mut g, cfg)?, tokenizer)
+                }
+                ModelSource::HfDir(dir) => {
+                    let cfg = hf_config(dir)?;
+                    let tokenizer = TextTokenizer::from_hf_dir(dir)?;
+                    let mut src = SafetensorsSource::open(dir)?;
+                    (DecoderWeights::read(&mut src, cfg)?, tokenizer)
+                }
+            };
+            (name, source.path().to_owned(), weights, tokenizer)
+        }
     })
 }
 

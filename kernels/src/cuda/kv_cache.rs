@@ -16,7 +16,7 @@ use std::sync::Arc;
 use cudarc::driver::{result, CudaSlice};
 use tandem_kv_cache::BlockLayout;
 
-use super::Device;
+use super::{address, Device};
 use crate::KernelError;
 
 /// How the cache blocks of the layers are placed in device memory.
@@ -81,8 +81,8 @@ impl DeviceKvCache {
                     let k = alloc(arrays)?;
                     let v = alloc(arrays)?;
                     layers.push(DeviceLayer {
-                        k: device_address(&k, device),
-                        v: device_address(&v, device),
+                        k: address(&k, device),
+                        v: address(&v, device),
                         block_stride: bb,
                         layout,
                     });
@@ -96,7 +96,7 @@ impl DeviceKvCache {
                     .checked_mul(2 * num_layers as u64)
                     .ok_or_else(|| KernelError::Cache("cache size overflows".into()))?;
                 let all = alloc(total)?;
-                let base = device_address(&all, device);
+                let base = address(&all, device);
                 let block_stride = 2 * num_layers as u64 * bb;
                 let layers = (0..num_layers as u64)
                     .map(|l| DeviceLayer {
@@ -207,17 +207,10 @@ impl DeviceKvCache {
     pub fn fill_pattern(&self, seed: u64) -> Result<(), KernelError> {
         let fill = super::testing::Testing::load(&self.device)?;
         for slice in self.memory.iter() {
-            let addr = device_address(slice, &self.device);
+            let addr = address(slice, &self.device);
             fill.fill_hash(addr, slice.len() / 8, seed ^ addr)?;
         }
         self.device.stream().synchronize()?;
         Ok(())
     }
-}
-
-/// The device address of a slice allocated on `device`'s stream.
-fn device_address(slice: &CudaSlice<u8>, device: &Device) -> u64 {
-    use cudarc::driver::DevicePtr;
-    let (ptr, _sync) = slice.device_ptr(device.stream());
-    ptr
 }

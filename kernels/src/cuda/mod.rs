@@ -3,17 +3,23 @@
 //! Invariant: nothing here calls into cudarc before [`Device::open`] has checked that the driver
 //! library loads (cudarc panics on a missing library; Tandem returns [`KernelError::NoDriver`]).
 
+mod blas;
 mod checksum;
+mod decoder;
 mod kv_cache;
 pub mod testing;
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaModule, CudaStream};
+use cudarc::driver::{CudaContext, CudaModule, CudaSlice, CudaStream, DevicePtr};
 use cudarc::nvrtc::Ptx;
 
 pub use checksum::{CudaBackend, CudaChecksums, PendingChecksums, MAX_BLOCKS_PER_LAUNCH};
 pub use cudarc::driver::CudaEvent;
+pub use blas::{Blas, Output};
+pub use decoder::{
+    bf16_bits, bf16_to_f32, DecoderShape, GpuDecoder, StepInput, Tensor, Weights, MAX_GROUP,
+};
 pub use kv_cache::{DeviceKvCache, DeviceLayer, KvArrangement};
 
 use crate::KernelError;
@@ -60,4 +66,10 @@ impl Device {
     pub(crate) fn load(&self, ptx: &'static str) -> Result<Arc<CudaModule>, KernelError> {
         Ok(self.ctx.load_module(Ptx::from_src(ptx))?)
     }
+}
+
+/// The device address of a slice allocated on `device`'s stream.
+pub(crate) fn address<T>(slice: &CudaSlice<T>, device: &Device) -> u64 {
+    let (ptr, _sync) = slice.device_ptr(device.stream());
+    ptr
 }

@@ -1,0 +1,286 @@
+//! The GPU decoder of `tandem-kernels` ([`GpuDecoder`]: bf16 weights, a paged bf16 KV cache in
+//! device memory) loaded from the files the CPU decoder reads, and the engine's [`ForwardBatch`]
+//! translated into its step arrays ([`GpuStep`]).
+//!
+//! Invariants: only models the GPU decoder computes exactly as the CPU one are loaded (the Llama
+//! family: SwiGLU, one full-attention cache, no extra norms or scales); others are refused with
+//! [`ModelError::Unsupported`]. A batch is validated ([`ForwardBatch::validate`]) before it is
+//! translated.
+
+use std::path::PathBuf;
+
+use tandem_kernels::cuda::{
+    DecoderShape, Device, DeviceKvCache, GpuDecoder, KvArrangement, StepInput, Weights,
+};
+use tandem_kv_cache::{BlockLayout, CacheDtype};
+
+use crate::decoder::{Activation, DecoderConfig};
+use crate::error::ModelError;
+use crate::loader::{read_weights, LoadOptions};
+use crate::model::ForwardBatch;
+use crate::ops::RopeTable;
+use crate::tokenizer::TextTokenizer;
+
+/// A model loaded on a GPU.
+pub struct GpuModel {
+    pub name: String,
+    pub path: PathBuf,
+    pub config: DecoderConfig,
+    pub decoder: GpuDecoder,
+    pub tokenizer: TextTokenizer,
+}
+
+/// The device KV cache a [`GpuModel`] gets.
+#[derive(Debug, Clone, Copy)]
+pub struct GpuCacheOptions {
+    pub num_blocks: usize,
+    pub block_size: usize,
+    pub arrangement: KvArrangement,
+    /// Rows a step may have (the engine's step budget).
+    pub max_tokens: usize,
+}
+
+/// Loads `spec` (resolved as [`crate::load_model`] does) onto `device` in bf16.
+pub fn load_gpu_model(
+    spec: &str,
+    opts: &LoadOptions,
+    device: &Device,
+    cache: GpuCacheOptions,
+) -> Result<GpuModel, ModelError> {
+    let (name, path, weights, tokenizer) = read_weights(spec, opts)?;
+    let cfg = weights.config().clone();
+    check_supported(&cfg)?;
+    let shape = DecoderShape {
+        hidden: cfg.hidden_size,
+        intermediate: cfg.intermediate_size,
+        layers: cfg.num_layers,
+        heads: cfg.num_heads,
+        kv_heads: cfg.num_kv_heads,
+        head_dim: cfg.head_dim,
+        vocab: cfg.vocab_size,
+        max_positions: cfg.max_position_embeddings,
+        rms_eps: cfg.rms_norm_eps,
+        tie_embeddings: false,
+    };
+    let inv_freq = RopeTable::inv_freq(cfg.rope_theta, cfg.head_dim, cfg.rope_scaling.as_ref())?;
+    let layout = BlockLayout::token_major(
+        cache.num_blocks,
+        cache.block_size,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        CacheDtype::Bf16,
+    );
+    let kv = DeviceKvCache::new(device, layout, cfg.num_layers, cache.arrangement)?;
+    let mut failure = None;
+    let mut source = |t| {
+        weights.gpu_tensor(t).map_err(|e| {
+            let msg = e.to_string();
+            failure = Some(e);
+            msg
+        })
+    };
+    let decoder = GpuDecoder::new(
+        device,
+        shape,
+        &inv_freq,
+        kv,
+        cache.max_tokens,
+        Weights::Host(&mut source),
+    );
+    let decoder = match (decoder, failure) {
+        (Ok(d), _) => d,
+        (Err(_), Some(e)) => return Err(e),
+        (Err(e), None) => return Err(e.into()),
+    };
+    Ok(GpuModel {
+        name,
+        path,
+        config: cfg,
+        decoder,
+        tokenizer,
+    })
+}
+
+/// Refuses what the GPU decoder does not compute (everything but the Llama family).
+fn check_supported(cfg: &DecoderConfig) -> Result<(), ModelError> {
+    let f = &cfg.features;
+    if f.qk_norm
+        || f.post_norms
+        || f.activation != Activation::Silu
+        || f.layer_windows.iter().any(Option::is_some)
+        || f.embed_scale.is_some()
+        || f.attn_scale.is_some()
+    {
+        return Err(ModelError::Unsupported(format!(
+            "the GPU decoder runs the Llama family only, not `{}`",
+            f.arch
+        )));
+    }
+    Ok(())
+}
+
+/// A [`ForwardBatch`] as the GPU decoder's step arrays.
+#[derive(Debug, Default, Clone)]
+pub struct GpuStep {
+    ids: Vec<u32>,
+    positions: Vec<u32>,
+    slots: Vec<u32>,
+    ctx_idx: Vec<u32>,
+    table_off: Vec<u32>,
+    tables: Vec<u32>,
+    logits_rows: Vec<u32>,
+}
+
+impl GpuStep {
+    /// Translates `batch` (one KV cache group) for a cache of `block_size`-token blocks.
+    pub fn from_batch(
+        batch: &ForwardBatch<'_>,
+        block_size: usize,
+        max_positions: usize,
+    ) -> Result<Self, ModelError> {
+        batch.validate(block_size, max_positions)?;
+        if batch.slot_mappings.len() != 1 {
+            return Err(ModelError::InvalidBatch(format!(
+                "the GPU decoder has one KV cache group, the batch {}",
+                batch.slot_mappings.len()
+            )));
+        }
+        let u32_of = |v: usize, what: &str| {
+            u32::try_from(v).map_err(|_| ModelError::InvalidBatch(format!("{what} {v} > u32")))
+        };
+        let n = batch.num_tokens();
+        let mut step = GpuStep {
+            ids: batch.token_ids.to_vec(),
+            positions: Vec::with_capacity(n),
+            slots: Vec::with_capacity(n),
+            ctx_idx: vec![0; n],
+            table_off: vec![0; n],
+            tables: Vec::new(),
+            logits_rows: Vec::with_capacity(batch.logits_indices.len()),
+        };
+        for &p in batch.positions {
+            step.positions.push(u32_of(p, "position")?);
+        }
+        for &s in batch.slots(0) {
+            step.slots.push(u32_of(s, "slot")?);
+        }
+        for seq in batch.seqs {
+            let off = u32_of(step.tables.len(), "table offset")?;
+            step.tables.extend_from_slice(seq.table(0));
+            let first = seq.context_len - seq.query_len;
+            for i in 0..seq.query_len {
+                step.ctx_idx[seq.query_start + i] = u32_of(first + i, "cache index")?;
+                step.table_off[seq.query_start + i] = off;
+            }
+        }
+        for &r in batch.logits_indices {
+            step.logits_rows.push(u32_of(r, "logits row")?);
+        }
+        Ok(step)
+    }
+
+    pub fn input(&self) -> StepInput<'_> {
+        StepInput {
+            token_ids: &self.ids,
+            positions: &self.positions,
+            slots: &self.slots,
+            ctx_idx: &self.ctx_idx,
+            table_off: &self.table_off,
+            tables: &self.tables,
+            logits_rows: &self.logits_rows,
+        }
+    }
+}
+
+impl GpuModel {
+    /// Runs one step of the engine's batch and returns the logits of its `logits_indices` rows.
+    pub fn forward(&self, batch: &ForwardBatch<'_>) -> Result<Vec<f32>, ModelError> {
+        let block_size = self.decoder.cache().layout().block_size;
+        let step = GpuStep::from_batch(batch, block_size, self.config.max_position_embeddings)?;
+        Ok(self.decoder.forward(&step.input())?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::decoder::Features;
+    use crate::model::SeqBatch;
+
+    fn llama() -> DecoderConfig {
+        DecoderConfig {
+            hidden_size: 64,
+            intermediate_size: 128,
+            num_layers: 2,
+            num_heads: 4,
+            num_kv_heads: 2,
+            head_dim: 16,
+            vocab_size: 100,
+            max_position_embeddings: 256,
+            rope_theta: 10_000.0,
+            rope_scaling: None,
+            rms_norm_eps: 1e-5,
+            tie_word_embeddings: true,
+            features: Features::llama(),
+        }
+    }
+
+    #[test]
+    fn only_the_llama_family_is_taken() {
+        assert!(check_supported(&llama()).is_ok());
+        let mut gemma_like = llama();
+        gemma_like.features.qk_norm = true;
+        gemma_like.features.arch = "gemma3";
+        let err = check_supported(&gemma_like).unwrap_err();
+        assert!(err.to_string().contains("Llama family"), "{err}");
+        let mut windowed = llama();
+        windowed.features.layer_windows = vec![Some(32), None];
+        assert!(check_supported(&windowed).is_err());
+        let mut geglu = llama();
+        geglu.features.activation = Activation::GeluTanh;
+        assert!(check_supported(&geglu).is_err());
+    }
+
+    #[test]
+    fn a_batch_becomes_rows_with_their_cache_index_and_table() {
+        // Sequence 0: a decode token at cache index 20; sequence 1: a 3-token prefill chunk at
+        // cache indices 4..7; blocks of 4.
+        let tables = [vec![9u32, 3, 5, 1, 2, 7], vec![4u32, 8]];
+        let seqs = [
+            SeqBatch {
+                query_start: 0,
+                query_len: 1,
+                context_len: 21,
+                block_tables: std::slice::from_ref(&tables[0]),
+            },
+            SeqBatch {
+                query_start: 1,
+                query_len: 3,
+                context_len: 7,
+                block_tables: std::slice::from_ref(&tables[1]),
+            },
+        ];
+        let slots = vec![7 * 4, 8 * 4, 8 * 4 + 1, 8 * 4 + 2];
+        let batch = ForwardBatch {
+            token_ids: &[5, 6, 7, 8],
+            positions: &[20, 4, 5, 6],
+            slot_mappings: std::slice::from_ref(&slots),
+            seqs: &seqs,
+            logits_indices: &[0, 3],
+        };
+        let step = GpuStep::from_batch(&batch, 4, 256).unwrap();
+        let input = step.input();
+        assert_eq!(input.ctx_idx, &[20, 4, 5, 6]);
+        assert_eq!(input.table_off, &[0, 6, 6, 6]);
+        assert_eq!(input.tables, &[9, 3, 5, 1, 2, 7, 4, 8]);
+        assert_eq!(input.slots, &[28, 32, 33, 34]);
+        assert_eq!(input.logits_rows, &[0, 3]);
+        // A slot that disagrees with the table is refused before anything reaches the GPU.
+        let bad = vec![7 * 4, 8 * 4, 8 * 4 + 1, 8 * 4 + 3];
+        let batch = ForwardBatch {
+            slot_mappings: std::slice::from_ref(&bad),
+            ..batch
+        };
+        assert!(GpuStep::from_batch(&batch, 4, 256).is_err());
+    }
+}

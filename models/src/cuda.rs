@@ -14,18 +14,154 @@ use tandem_kernels::cuda::{
 };
 use tandem_kv_cache::{BlockLayout, CacheDtype};
 
-use crate::decoder::{Activation, DecoderConfig};
+use tandem_kv_cache::{KvCacheGroup, KvCacheSpec, KvStorage};
+
+use crate::decoder::{layer_name, Activation, DecoderConfig, DecoderWeights};
 use crate::error::ModelError;
 use crate::loader::{read_weights, LoadOptions};
-use crate::model::ForwardBatch;
+use crate::model::{CausalLm, ForwardBatch, ModelInfo};
 use crate::ops::RopeTable;
 use crate::tokenizer::TextTokenizer;
+use crate::weights::WeightMode;
+
+/// A model read on the host and checked for the GPU decoder, not yet on a GPU: the engine sizes
+/// its KV cache from [`GpuModelFiles::info`] and [`GpuModelFiles::kv_cache_groups`] first.
+pub struct GpuModelFiles {
+    pub name: String,
+    pub path: PathBuf,
+    pub tokenizer: TextTokenizer,
+    info: ModelInfo,
+    weights: DecoderWeights,
+}
+
+/// Resolves and reads `spec` as [`crate::load_model`] does, for the GPU decoder.
+pub fn read_gpu_model(spec: &str, opts: &LoadOptions) -> Result<GpuModelFiles, ModelError> {
+    if opts.weights.is_some_and(|w| w != WeightMode::Bf16) {
+        return Err(ModelError::Unsupported(format!(
+            "the GPU decoder holds weights in bf16, not {}",
+            opts.weights.map_or("", WeightMode::name)
+        )));
+    }
+    if !opts.parallel.is_single() {
+        return Err(ModelError::Unsupported(
+            "the GPU decoder runs one whole model (tensor and pipeline parallel size 1)".into(),
+        ));
+    }
+    let (name, path, weights, tokenizer) = read_weights(spec, opts)?;
+    let cfg = weights.config().clone();
+    check_supported(&cfg)?;
+    let shape = shape_of(&cfg);
+    let info = ModelInfo {
+        architecture: cfg.features.arch.into(),
+        num_layers: cfg.num_layers,
+        hidden_size: cfg.hidden_size,
+        intermediate_size: cfg.intermediate_size,
+        num_heads: cfg.num_heads,
+        num_kv_heads: cfg.num_kv_heads,
+        head_dim: cfg.head_dim,
+        vocab_size: cfg.vocab_size,
+        max_position_embeddings: cfg.max_position_embeddings,
+        rope_theta: cfg.rope_theta,
+        rms_norm_eps: cfg.rms_norm_eps,
+        tie_word_embeddings: cfg.tie_word_embeddings,
+        weight_mode: WeightMode::Bf16,
+        weight_bytes: shape.weight_bytes(),
+    };
+    Ok(GpuModelFiles {
+        name,
+        path,
+        tokenizer,
+        info,
+        weights,
+    })
+}
+
+impl GpuModelFiles {
+    pub fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    /// The one full-attention group of the model's layers, as the CPU decoder names them.
+    pub fn kv_cache_groups(&self, block_size: usize, dtype: CacheDtype) -> Vec<KvCacheGroup> {
+        vec![KvCacheGroup {
+            group_id: 0,
+            spec: KvCacheSpec::FullAttention {
+                block_size,
+                num_kv_heads: self.info.num_kv_heads,
+                head_dim: self.info.head_dim,
+                dtype,
+            },
+            layer_names: (0..self.info.num_layers).map(layer_name).collect(),
+        }]
+    }
+
+    /// Places the model and a KV cache of `cache` on `device`.
+    pub fn upload(self, device: &Device, cache: GpuCacheOptions) -> Result<GpuModel, ModelError> {
+        let cfg = self.weights.config().clone();
+        let inv_freq =
+            RopeTable::inv_freq(cfg.rope_theta, cfg.head_dim, cfg.rope_scaling.as_ref())?;
+        let layout = BlockLayout::token_major(
+            cache.num_blocks,
+            cache.block_size,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            CacheDtype::Bf16,
+        );
+        let kv = DeviceKvCache::new(device, layout, cfg.num_layers, cache.arrangement)?;
+        let weights = &self.weights;
+        let mut failure = None;
+        let mut source = |t| {
+            weights.gpu_tensor(t).map_err(|e| {
+                let msg = e.to_string();
+                failure = Some(e);
+                msg
+            })
+        };
+        let decoder = GpuDecoder::new(
+            device,
+            shape_of(&cfg),
+            &inv_freq,
+            kv,
+            cache.max_tokens,
+            Weights::Host(&mut source),
+        );
+        let decoder = match (decoder, failure) {
+            (Ok(d), _) => d,
+            (Err(_), Some(e)) => return Err(e),
+            (Err(e), None) => return Err(e.into()),
+        };
+        Ok(GpuModel {
+            name: self.name,
+            path: self.path,
+            config: cfg,
+            info: self.info,
+            decoder,
+            tokenizer: self.tokenizer,
+        })
+    }
+}
+
+fn shape_of(cfg: &DecoderConfig) -> DecoderShape {
+    DecoderShape {
+        hidden: cfg.hidden_size,
+        intermediate: cfg.intermediate_size,
+        layers: cfg.num_layers,
+        heads: cfg.num_heads,
+        kv_heads: cfg.num_kv_heads,
+        head_dim: cfg.head_dim,
+        vocab: cfg.vocab_size,
+        max_positions: cfg.max_position_embeddings,
+        rms_eps: cfg.rms_norm_eps,
+        tie_embeddings: false,
+    }
+}
 
 /// A model loaded on a GPU.
 pub struct GpuModel {
     pub name: String,
     pub path: PathBuf,
     pub config: DecoderConfig,
+    pub info: ModelInfo,
     pub decoder: GpuDecoder,
     pub tokenizer: TextTokenizer,
 }
@@ -47,58 +183,7 @@ pub fn load_gpu_model(
     device: &Device,
     cache: GpuCacheOptions,
 ) -> Result<GpuModel, ModelError> {
-    let (name, path, weights, tokenizer) = read_weights(spec, opts)?;
-    let cfg = weights.config().clone();
-    check_supported(&cfg)?;
-    let shape = DecoderShape {
-        hidden: cfg.hidden_size,
-        intermediate: cfg.intermediate_size,
-        layers: cfg.num_layers,
-        heads: cfg.num_heads,
-        kv_heads: cfg.num_kv_heads,
-        head_dim: cfg.head_dim,
-        vocab: cfg.vocab_size,
-        max_positions: cfg.max_position_embeddings,
-        rms_eps: cfg.rms_norm_eps,
-        tie_embeddings: false,
-    };
-    let inv_freq = RopeTable::inv_freq(cfg.rope_theta, cfg.head_dim, cfg.rope_scaling.as_ref())?;
-    let layout = BlockLayout::token_major(
-        cache.num_blocks,
-        cache.block_size,
-        cfg.num_kv_heads,
-        cfg.head_dim,
-        CacheDtype::Bf16,
-    );
-    let kv = DeviceKvCache::new(device, layout, cfg.num_layers, cache.arrangement)?;
-    let mut failure = None;
-    let mut source = |t| {
-        weights.gpu_tensor(t).map_err(|e| {
-            let msg = e.to_string();
-            failure = Some(e);
-            msg
-        })
-    };
-    let decoder = GpuDecoder::new(
-        device,
-        shape,
-        &inv_freq,
-        kv,
-        cache.max_tokens,
-        Weights::Host(&mut source),
-    );
-    let decoder = match (decoder, failure) {
-        (Ok(d), _) => d,
-        (Err(_), Some(e)) => return Err(e),
-        (Err(e), None) => return Err(e.into()),
-    };
-    Ok(GpuModel {
-        name,
-        path,
-        config: cfg,
-        decoder,
-        tokenizer,
-    })
+    read_gpu_model(spec, opts)?.upload(device, cache)
 }
 
 /// Refuses what the GPU decoder does not compute (everything but the Llama family).
@@ -189,6 +274,52 @@ impl GpuStep {
             tables: &self.tables,
             logits_rows: &self.logits_rows,
         }
+    }
+}
+
+/// The engine's view of a [`GpuModel`]: the KV cache it is handed describes the device cache
+/// ([`KvStorage::elsewhere`], checked against it every step); the model reads and writes the
+/// device cache itself.
+impl CausalLm for GpuModel {
+    fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    fn kv_cache_groups(&self, block_size: usize, dtype: CacheDtype) -> Vec<KvCacheGroup> {
+        vec![KvCacheGroup {
+            group_id: 0,
+            spec: KvCacheSpec::FullAttention {
+                block_size,
+                num_kv_heads: self.info.num_kv_heads,
+                head_dim: self.info.head_dim,
+                dtype,
+            },
+            layer_names: (0..self.info.num_layers).map(layer_name).collect(),
+        }]
+    }
+
+    fn forward(&self, batch: &ForwardBatch, kv: &KvStorage) -> Result<Vec<f32>, ModelError> {
+        let device = self.decoder.cache().layout();
+        let matches = !kv.in_host_memory()
+            && kv.num_layers() == self.info.num_layers
+            && (0..kv.num_layers()).all(|l| {
+                let h = kv.layout(l);
+                h.num_blocks == device.num_blocks
+                    && h.block_size == device.block_size
+                    && h.dtype == device.dtype
+            });
+        if !matches {
+            return Err(ModelError::InvalidBatch(format!(
+                "the engine's KV storage ({} layers, host memory: {}) does not describe this \
+                 GPU model's device cache ({} layers of {} blocks of {} bf16 tokens)",
+                kv.num_layers(),
+                kv.in_host_memory(),
+                self.info.num_layers,
+                device.num_blocks,
+                device.block_size
+            )));
+        }
+        GpuModel::forward(self, batch)
     }
 }
 

@@ -73,6 +73,9 @@ pub enum WeightMode {
     /// the f32 kernel, so the fastest batch-1 decode on the CPU; a little further from f32 than
     /// `Native` (module docs). Other matrices as in `Native`.
     NativeI8,
+    /// Matrices in bf16 in a GPU's memory (the GPU decoder, `--device cuda`); the CPU decoder
+    /// refuses it.
+    Bf16,
 }
 
 impl WeightMode {
@@ -83,6 +86,7 @@ impl WeightMode {
             "q8_0" | "q8" => Some(WeightMode::Q8_0),
             "native" | "gguf" => Some(WeightMode::Native),
             "native-i8" | "native_i8" => Some(WeightMode::NativeI8),
+            "bf16" | "bfloat16" => Some(WeightMode::Bf16),
             _ => None,
         }
     }
@@ -114,6 +118,7 @@ impl WeightMode {
             WeightMode::Q8_0 => "q8_0",
             WeightMode::Native => "native",
             WeightMode::NativeI8 => "native-i8",
+            WeightMode::Bf16 => "bf16",
         }
     }
 }
@@ -331,6 +336,13 @@ impl HostMatrix {
         // `NativeI8` differs from `Native` only in how Q4_1 matrices take their inputs
         let (mode, i8_inputs) = match mode {
             WeightMode::NativeI8 => (WeightMode::Native, true),
+            WeightMode::Bf16 => {
+                return Err(ModelError::Unsupported(
+                    "bf16 weights run on a GPU (--device cuda); on the CPU use f32, q8_0, \
+                     native or native-i8"
+                        .into(),
+                ))
+            }
             mode => (mode, false),
         };
         let weight = match (mode, self.data) {
@@ -406,7 +418,7 @@ impl HostMatrix {
                 q: Arc::new(quant_tensor(dtype, &bytes, rows, cols)?),
                 rotated: false,
             },
-            (WeightMode::NativeI8, _) => unreachable!("taken as Native above"),
+            (WeightMode::NativeI8 | WeightMode::Bf16, _) => unreachable!("handled above"),
         };
         Ok(Linear {
             weight,

@@ -183,7 +183,11 @@ fn a_dummy_gqa_model_on_the_gpu_agrees_with_the_cpu() {
     };
     let cpu = load_model("gqa", &opts).unwrap();
     let dev = Device::open(0).unwrap_or_else(|e| panic!("these tests need a CUDA GPU: {e}"));
-    let gpu = load_gpu_model("gqa", &opts, &dev, gpu_options(512)).unwrap();
+    let gpu_opts = LoadOptions {
+        weights: None,
+        ..opts.clone()
+    };
+    let gpu = load_gpu_model("gqa", &gpu_opts, &dev, gpu_options(512)).unwrap();
     let prompts: Vec<Vec<u32>> = vec![
         (0..700).map(|i| (i * 37 % 1000) as u32).collect(),
         (0..33).map(|i| (i * 11 % 1000) as u32).collect(),

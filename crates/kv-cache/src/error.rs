@@ -13,4 +13,7 @@ pub enum KvCacheError {
     SlotOutOfRange { slot: usize, num_slots: usize },
     #[error("expected {expected} values, got {got}")]
     LengthMismatch { expected: usize, got: usize },
+    /// The arrays live in another memory (a GPU's): the host cannot read or write them here.
+    #[error("the KV cache lives in device memory: no host access to its blocks")]
+    NotInHostMemory,
 }

@@ -7,6 +7,10 @@
 //! aligned, allocated once and never moved, so their addresses can be registered with a transfer engine (NIXL) and read or written
 //! by it while the engine runs.
 //!
+//! A storage may also only *describe* a cache whose arrays live elsewhere (a GPU's memory, owned by
+//! the model: [`KvStorage::elsewhere`]): the same layouts and names, no host arrays; every host
+//! access then fails with [`KvCacheError::NotInHostMemory`] and it has no regions to register.
+//!
 //! Concurrency invariant: the storage is shared (`&self`) by the forward pass, checksum threads and
 //! transfer engines. It does not lock; the scheduler's block ownership keeps them apart: a block is
 //! written only by the request that owns it (forward or an incoming load), and read by checksums
@@ -67,6 +71,8 @@ struct LayerBuffers {
 /// Every layer's K and V cache of one worker. See the module docs for the sharing invariant.
 pub struct KvStorage {
     layers: Vec<LayerBuffers>,
+    /// Whether the arrays are in this process's host memory (else they are elsewhere and empty).
+    host: bool,
 }
 
 // SAFETY: all mutation goes through raw pointers into fixed allocations, and the block-ownership
@@ -102,6 +108,31 @@ impl KvStorage {
         order: LayoutOrder,
         group_blocks: &[usize],
     ) -> Result<Self, KvCacheError> {
+        Self::build(config, order, group_blocks, true)
+    }
+
+    /// The layouts of a cache whose arrays another component holds in its own memory (the GPU
+    /// decoder's device cache): no host memory is allocated, and host accesses fail with
+    /// [`KvCacheError::NotInHostMemory`].
+    pub fn elsewhere(
+        config: &KvCacheConfig,
+        order: LayoutOrder,
+        group_blocks: &[usize],
+    ) -> Result<Self, KvCacheError> {
+        Self::build(config, order, group_blocks, false)
+    }
+
+    /// Whether the arrays are in host memory (see [`KvStorage::elsewhere`]).
+    pub fn in_host_memory(&self) -> bool {
+        self.host
+    }
+
+    fn build(
+        config: &KvCacheConfig,
+        order: LayoutOrder,
+        group_blocks: &[usize],
+        host: bool,
+    ) -> Result<Self, KvCacheError> {
         if group_blocks.len() != config.groups.len() || group_blocks.contains(&0) {
             return Err(KvCacheError::InvalidConfig(format!(
                 "every group needs blocks: {group_blocks:?} for {} groups",
@@ -122,17 +153,18 @@ impl KvStorage {
                 )
             };
             layout.validate()?;
+            let bytes = if host { layout.total_bytes() } else { 0 };
             for name in &group.layer_names {
                 layers.push(LayerBuffers {
                     name: name.clone(),
                     group_id: group.group_id,
-                    k: RawBuf::zeroed(layout.total_bytes()),
-                    v: RawBuf::zeroed(layout.total_bytes()),
+                    k: RawBuf::zeroed(bytes),
+                    v: RawBuf::zeroed(bytes),
                     layout,
                 });
             }
         }
-        Ok(KvStorage { layers })
+        Ok(KvStorage { layers, host })
     }
 
     pub fn num_layers(&self) -> usize {
@@ -152,6 +184,9 @@ impl KvStorage {
     }
 
     fn layer_buffers(&self, layer: usize) -> Result<&LayerBuffers, KvCacheError> {
+        if !self.host {
+            return Err(KvCacheError::NotInHostMemory);
+        }
         self.layers.get(layer).ok_or(KvCacheError::LayerOutOfRange {
             layer,
             num_layers: self.layers.len(),
@@ -213,6 +248,9 @@ impl KvStorage {
 
     /// Copies all layers of block `src` into block `dst` (recompute-free block moves and tests).
     pub fn copy_block(&self, src: usize, dst: usize) -> Result<(), KvCacheError> {
+        if !self.host {
+            return Err(KvCacheError::NotInHostMemory);
+        }
         for l in &self.layers {
             let bb = l.layout.block_bytes();
             for b in [src, dst] {
@@ -270,6 +308,9 @@ impl KvStorage {
 
     /// Every array as a memory region, for registration with a transfer engine.
     pub fn regions(&self) -> Vec<MemoryRegion> {
+        if !self.host {
+            return Vec::new();
+        }
         let mut out = Vec::with_capacity(2 * self.layers.len());
         for (i, l) in self.layers.iter().enumerate() {
             for (part, buf) in [(KvPart::K, &l.k), (KvPart::V, &l.v)] {
@@ -365,6 +406,26 @@ mod tests {
         let view = s.layer(0).unwrap();
         assert_eq!(view.block(0).unwrap(), view.block(3).unwrap());
         assert!(s.write_slots(0, &[16], &[0.0; 16], &[0.0; 16]).is_err());
+    }
+
+    #[test]
+    fn a_storage_of_device_memory_describes_layouts_and_refuses_host_access() {
+        let s = KvStorage::elsewhere(&config(CacheDtype::Bf16), LayoutOrder::TokenMajor, &[4])
+            .unwrap();
+        assert!(!s.in_host_memory());
+        assert_eq!(s.num_layers(), 2);
+        assert_eq!(s.layout(1).num_blocks, 4);
+        assert_eq!(s.layer_name(1), "layers.1");
+        assert!(matches!(s.layer(0), Err(KvCacheError::NotInHostMemory)));
+        assert!(matches!(
+            s.write_slots(0, &[0], &[0.0; 16], &[0.0; 16]),
+            Err(KvCacheError::NotInHostMemory)
+        ));
+        assert!(matches!(s.copy_block(0, 1), Err(KvCacheError::NotInHostMemory)));
+        // SAFETY: nothing is returned.
+        assert!(unsafe { s.block_bytes_mut(0, KvPart::K, 0) }.is_err());
+        assert!(s.regions().is_empty());
+        assert!(KvStorage::new(&config(CacheDtype::Bf16)).unwrap().in_host_memory());
     }
 
     #[test]

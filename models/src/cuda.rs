@@ -29,13 +29,16 @@ use crate::weights::WeightMode;
 pub struct GpuModelFiles {
     pub name: String,
     pub path: PathBuf,
-    pub tokenizer: TextTokenizer,
     info: ModelInfo,
     weights: DecoderWeights,
 }
 
-/// Resolves and reads `spec` as [`crate::load_model`] does, for the GPU decoder.
-pub fn read_gpu_model(spec: &str, opts: &LoadOptions) -> Result<GpuModelFiles, ModelError> {
+/// Resolves and reads `spec` as [`crate::load_model`] does, for the GPU decoder: the model and its
+/// tokenizer.
+pub fn read_gpu_model(
+    spec: &str,
+    opts: &LoadOptions,
+) -> Result<(GpuModelFiles, TextTokenizer), ModelError> {
     if opts.weights.is_some_and(|w| w != WeightMode::Bf16) {
         return Err(ModelError::Unsupported(format!(
             "the GPU decoder holds weights in bf16, not {}",
@@ -67,13 +70,15 @@ pub fn read_gpu_model(spec: &str, opts: &LoadOptions) -> Result<GpuModelFiles, M
         weight_mode: WeightMode::Bf16,
         weight_bytes: shape.weight_bytes(),
     };
-    Ok(GpuModelFiles {
-        name,
-        path,
+    Ok((
+        GpuModelFiles {
+            name,
+            path,
+            info,
+            weights,
+        },
         tokenizer,
-        info,
-        weights,
-    })
+    ))
 }
 
 impl GpuModelFiles {
@@ -136,7 +141,6 @@ impl GpuModelFiles {
             config: cfg,
             info: self.info,
             decoder,
-            tokenizer: self.tokenizer,
         })
     }
 }
@@ -163,7 +167,6 @@ pub struct GpuModel {
     pub config: DecoderConfig,
     pub info: ModelInfo,
     pub decoder: GpuDecoder,
-    pub tokenizer: TextTokenizer,
 }
 
 /// The device KV cache a [`GpuModel`] gets.
@@ -183,7 +186,7 @@ pub fn load_gpu_model(
     device: &Device,
     cache: GpuCacheOptions,
 ) -> Result<GpuModel, ModelError> {
-    read_gpu_model(spec, opts)?.upload(device, cache)
+    read_gpu_model(spec, opts)?.0.upload(device, cache)
 }
 
 /// Refuses what the GPU decoder does not compute (everything but the Llama family).

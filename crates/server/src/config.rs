@@ -54,8 +54,13 @@ pub struct ServeArgs {
     /// num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, vocab_size, …).
     #[arg(long, env = "TANDEM_MODEL_CONFIG")]
     pub model_config: Option<std::path::PathBuf>,
-    /// Element type of the KV cache: f32, f16 or bf16.
-    #[arg(long, env = "TANDEM_KV_CACHE_DTYPE", default_value = "f32")]
+    /// Where the model runs: `cpu`, or `cuda` / `cuda:N` (GPU N; a binary built with the `cuda`
+    /// feature: `scripts/gpu_build.sh`). On a GPU the weights and the KV cache are bf16 in device
+    /// memory, and `--kv-cache-memory` is device memory.
+    #[arg(long, env = "TANDEM_DEVICE", default_value = "cpu")]
+    pub device: String,
+    /// Element type of the KV cache: `auto` (f32 on the CPU, bf16 on a GPU), f32, f16 or bf16.
+    #[arg(long, env = "TANDEM_KV_CACHE_DTYPE", default_value = "auto")]
     pub kv_cache_dtype: String,
     /// Order inside a KV cache block: `token_major` (`[tokens, heads, head_dim]`) or
     /// `head_major` (`[heads, tokens, head_dim]`: each head's rows contiguous). P/D between

@@ -127,16 +127,18 @@ pub fn build_instance(
 ) -> anyhow::Result<Instance> {
     let transfer = parse_transfer_config(args)?;
     let fault = EngineFault::from_env()?;
-    let cache_dtype = CacheDtype::parse(&args.kv_cache_dtype).with_context(|| {
-        format!(
-            "--kv-cache-dtype `{}`: expected f32, f16 or bf16",
-            args.kv_cache_dtype
-        )
-    })?;
+    let device = ModelDevice::parse(&args.device)?;
+    let cache_dtype = match (args.kv_cache_dtype.as_str(), device) {
+        ("auto", ModelDevice::Cpu) => CacheDtype::F32,
+        ("auto", ModelDevice::Cuda(_)) => CacheDtype::Bf16,
+        (other, _) => CacheDtype::parse(other).with_context(|| {
+            format!("--kv-cache-dtype `{other}`: expected auto, f32, f16 or bf16")
+        })?,
+    };
     let weights = match args.dtype.as_str() {
         "auto" => None,
         other => Some(WeightMode::parse(other).with_context(|| {
-            format!("--dtype `{other}`: expected auto, f32, q8_0, native or native-i8")
+            format!("--dtype `{other}`: expected auto, f32, q8_0, native, native-i8 or bf16")
         })?),
     };
     if args.block_size == 0 || args.block_size > 1024 {
@@ -165,25 +167,18 @@ pub fn build_instance(
     }
     let (format, spec) = load_format(args)?;
     let started = std::time::Instant::now();
-    let mut loaded = load_model(
-        &spec,
-        &LoadOptions {
-            weights,
-            format,
-            parallel,
-            ..Default::default()
-        },
-    )
-    .with_context(|| format!("loading model `{spec}`"))?;
+    let opts = LoadOptions {
+        weights,
+        format,
+        parallel,
+        ..Default::default()
+    };
+    let loaded = load_for_device(device, &spec, &opts, args, cache_dtype, transfer.is_some())
+        .with_context(|| format!("loading model `{spec}`"))?;
     let loaded_path = loaded.path.display().to_string();
-    let world = loaded.world.take();
-    let models: Vec<Arc<dyn tandem_models::CausalLm>> =
-        loaded.ranks.drain(..).map(Arc::from).collect();
+    let world = loaded.world;
     let info = loaded.info.clone();
-    let rank_groups: Vec<_> = models
-        .iter()
-        .map(|m| m.kv_cache_groups(args.block_size, cache_dtype))
-        .collect();
+    let rank_groups = loaded.rank_groups.clone();
     // Every rank holds every block id of a group (its layers and heads of it): a block costs
     // all of them.
     let groups_for_checksums = rank_groups[0].clone();
@@ -230,14 +225,43 @@ pub fn build_instance(
             );
         }
     }
-    let storages = rank_groups
-        .into_iter()
-        .map(|groups| {
-            let blocks: Vec<usize> = groups.iter().map(|g| pools.blocks_of(g.group_id)).collect();
-            KvStorage::with_group_blocks(&KvCacheConfig { num_blocks, groups }, kv_order, &blocks)
-                .map(Arc::new)
-        })
-        .collect::<Result<Vec<_>, _>>()?;
+    let group_blocks = |groups: &[tandem_kv_cache::KvCacheGroup]| -> Vec<usize> {
+        groups.iter().map(|g| pools.blocks_of(g.group_id)).collect()
+    };
+    let (models, storages): (Vec<Arc<dyn tandem_models::CausalLm>>, Vec<Arc<KvStorage>>) =
+        match loaded.ranks {
+            Ranks::Cpu(models) => {
+                let storages = rank_groups
+                    .into_iter()
+                    .map(|groups| {
+                        let blocks = group_blocks(&groups);
+                        let config = KvCacheConfig { num_blocks, groups };
+                        KvStorage::with_group_blocks(&config, kv_order, &blocks).map(Arc::new)
+                    })
+                    .collect::<Result<Vec<_>, _>>()?;
+                (models, storages)
+            }
+            #[cfg(feature = "cuda")]
+            Ranks::Gpu(files, gpu) => {
+                if kv_order != LayoutOrder::TokenMajor {
+                    bail!("--device cuda keeps its KV cache token_major");
+                }
+                let groups = rank_groups.into_iter().next().unwrap_or_default();
+                let blocks = group_blocks(&groups);
+                let model = files.upload(
+                    &gpu,
+                    tandem_models::cuda::GpuCacheOptions {
+                        num_blocks,
+                        block_size: args.block_size,
+                        arrangement: tandem_kernels::cuda::KvArrangement::BlockMajor,
+                        max_tokens: step_budget(max_model_len),
+                    },
+                )?;
+                let config = KvCacheConfig { num_blocks, groups };
+                let storage = KvStorage::elsewhere(&config, kv_order, &blocks)?;
+                (vec![Arc::new(model)], vec![Arc::new(storage)])
+            }
+        };
     let kv_cache_bytes: usize = storages.iter().map(|s| s.total_bytes()).sum();
     metrics::gauge!(tandem_engine::metrics::CACHE_CONFIG_INFO,
         "block_size" => args.block_size.to_string(),
@@ -247,7 +271,8 @@ pub fn build_instance(
     .set(1.0);
     tracing::info!(
         model = %loaded.name,
-        weights = %loaded.info.weight_mode,
+        device = %args.device,
+        weights = %info.weight_mode,
         kv_cache_dtype = %cache_dtype,
         num_blocks,
         group_blocks = ?pools.group_blocks,
@@ -378,6 +403,129 @@ pub fn build_instance(
         guidance,
     };
     Ok(Instance { state, engine })
+}
+
+/// Where the model runs (`--device`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ModelDevice {
+    Cpu,
+    /// GPU ordinal.
+    Cuda(usize),
+}
+
+impl ModelDevice {
+    fn parse(s: &str) -> anyhow::Result<Self> {
+        match s {
+            "cpu" => Ok(ModelDevice::Cpu),
+            "cuda" => Ok(ModelDevice::Cuda(0)),
+            other => match other.strip_prefix("cuda:").map(str::parse) {
+                Some(Ok(n)) => Ok(ModelDevice::Cuda(n)),
+                _ => bail!("--device `{other}`: expected cpu, cuda or cuda:N"),
+            },
+        }
+    }
+}
+
+/// The model as the engine gets it: CPU ranks ready to run, or a model read for a GPU that is
+/// placed there once the KV cache is sized.
+enum Ranks {
+    Cpu(Vec<Arc<dyn tandem_models::CausalLm>>),
+    #[cfg(feature = "cuda")]
+    Gpu(
+        Box<tandem_models::cuda::GpuModelFiles>,
+        tandem_kernels::cuda::Device,
+    ),
+}
+
+struct LoadedForEngine {
+    name: String,
+    path: std::path::PathBuf,
+    tokenizer: TextTokenizer,
+    info: tandem_models::ModelInfo,
+    world: Option<tandem_parallel::CpuWorld>,
+    /// Each rank's KV cache groups.
+    rank_groups: Vec<Vec<tandem_kv_cache::KvCacheGroup>>,
+    ranks: Ranks,
+}
+
+/// Loads the model for `device`: on the CPU every rank's shard; for a GPU the files, checked,
+/// and the GPU opened (a GPU instance runs one whole model and no KV transfer yet).
+fn load_for_device(
+    device: ModelDevice,
+    spec: &str,
+    opts: &LoadOptions,
+    args: &ServeArgs,
+    cache_dtype: CacheDtype,
+    transfer: bool,
+) -> anyhow::Result<LoadedForEngine> {
+    match device {
+        ModelDevice::Cpu => {
+            let mut loaded = load_model(spec, opts)?;
+            let models: Vec<Arc<dyn tandem_models::CausalLm>> =
+                loaded.ranks.drain(..).map(Arc::from).collect();
+            let rank_groups = models
+                .iter()
+                .map(|m| m.kv_cache_groups(args.block_size, cache_dtype))
+                .collect();
+            Ok(LoadedForEngine {
+                name: loaded.name,
+                path: loaded.path,
+                tokenizer: loaded.tokenizer,
+                info: loaded.info,
+                world: loaded.world,
+                rank_groups,
+                ranks: Ranks::Cpu(models),
+            })
+        }
+        ModelDevice::Cuda(ordinal) => {
+            if transfer {
+                bail!(
+                    "--kv-transfer-config with --device cuda: KV transfer from GPU memory is not \
+                     supported yet; run P/D instances on the CPU"
+                );
+            }
+            if cache_dtype != CacheDtype::Bf16 {
+                bail!("--device cuda keeps its KV cache in bf16 (--kv-cache-dtype auto or bf16)");
+            }
+            gpu_model(ordinal, spec, opts, args, cache_dtype)
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn gpu_model(
+    ordinal: usize,
+    spec: &str,
+    opts: &LoadOptions,
+    args: &ServeArgs,
+    cache_dtype: CacheDtype,
+) -> anyhow::Result<LoadedForEngine> {
+    let gpu = tandem_kernels::cuda::Device::open(ordinal)?;
+    let (files, tokenizer) = tandem_models::cuda::read_gpu_model(spec, opts)?;
+    tracing::info!(gpu = %gpu.name().unwrap_or_default(), ordinal, "GPU opened");
+    Ok(LoadedForEngine {
+        name: files.name.clone(),
+        path: files.path.clone(),
+        tokenizer,
+        info: files.info().clone(),
+        world: None,
+        rank_groups: vec![files.kv_cache_groups(args.block_size, cache_dtype)],
+        ranks: Ranks::Gpu(Box::new(files), gpu),
+    })
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_model(
+    _ordinal: usize,
+    _spec: &str,
+    _opts: &LoadOptions,
+    _args: &ServeArgs,
+    _cache_dtype: CacheDtype,
+) -> anyhow::Result<LoadedForEngine> {
+    bail!(
+        "--device cuda needs a tandem built with the `cuda` feature (scripts/gpu_build.sh builds \
+         one); this one runs on the CPU only"
+    )
 }
 
 /// Structured outputs' view of the vocabulary: every token's bytes, ending on the first EOS.

@@ -3,7 +3,8 @@
 # machine (which has the driver but no Rust): the GPU tests (kernels/tests/cuda_checksum.rs,
 # kernels/tests/cuda_decoder.rs, models/tests/cuda_models.rs), tandem-gpu-bench (checksum kernel)
 # and tandem-gpu-model-bench (the decoder on the 8B shape), stripped. nvcc 13.0 comes from PyPI
-# (scripts/cuda_toolchain.sh). With --model, also stages the embedded model in two halves under
+# (scripts/cuda_toolchain.sh), and `tandem` itself with `--device cuda` (scripts/gpu_serve_check.sh).
+# The cuda builds share target/ with the CPU ones: build the CPU binary again afterwards. With --model, also stages the embedded model in two halves under
 # out/gpu-model/ (a device call carries at most 64 MiB: carry one half per call). Then, on the GPU
 # machine, from the repository root: scripts/gpu_run.sh
 set -euo pipefail
@@ -11,6 +12,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 export CUDA_ROOT=${CUDA_ROOT:-$("$root/scripts/cuda_toolchain.sh")}
 cargo build --release -p tandem-kernels --features cuda --bins
+cargo build --release -p tandem-server --features cuda --bin tandem
 mkdir -p out/gpu
 stage_test() { # package feature-crate test-name
     local exe
@@ -27,6 +29,7 @@ for line in sys.stdin:
 stage_test tandem-kernels cuda_checksum
 stage_test tandem-kernels cuda_decoder
 stage_test tandem-models cuda_models
+strip -o out/gpu/tandem target/release/tandem
 strip -o out/gpu/tandem-gpu-bench target/release/tandem-gpu-bench
 strip -o out/gpu/tandem-gpu-model-bench target/release/tandem-gpu-model-bench
 if [[ "${1:-}" == "--model" ]]; then

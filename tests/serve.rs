@@ -1504,3 +1504,25 @@ async fn the_default_step_budget_chunks_a_long_prompt_and_without_chunking_takes
     let (over_1024, _) = steps(&whole, "1024").await;
     assert_eq!(over_1024, 1.0, "the prompt in one step of 1200 tokens");
 }
+
+/// A CPU build asked for a GPU, and bad device names, stop at start-up with an error that names
+/// the flag, before any port is bound.
+#[test]
+fn device_flags_a_cpu_build_cannot_serve_are_refused_at_start() {
+    common::require_model();
+    for (device, want) in [
+        ("cuda", "needs a tandem built with the `cuda` feature"),
+        ("cuda:1", "needs a tandem built with the `cuda` feature"),
+        ("gpu", "--device `gpu`: expected cpu, cuda or cuda:N"),
+        ("cuda:x", "--device `cuda:x`"),
+    ] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_tandem"))
+            .args(["serve", "--device", device, "--port", "0"])
+            .current_dir(common::repo_root())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{device}: {stderr}");
+        assert!(stderr.contains(want), "{device}: {stderr}");
+    }
+}

@@ -10,6 +10,11 @@ cargo fmt --all -- --check
 echo "== cargo clippy --all-targets -D warnings"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 echo "== the cuda feature builds and lints (nvcc 13.0 from PyPI; no GPU needed to build)"
-CUDA_ROOT=$(./scripts/cuda_toolchain.sh) cargo clippy -p tandem-kernels --features cuda --all-targets --locked -- -D warnings
+cuda_root=$(./scripts/cuda_toolchain.sh)
+CUDA_ROOT=$cuda_root cargo clippy -p tandem-kernels -p tandem-models -p tandem-server \
+    --features tandem-kernels/cuda,tandem-models/cuda,tandem-server/cuda --all-targets --locked \
+    -- -D warnings
+echo "== the cuda feature's host-side unit tests (no GPU: batch translation, model refusals)"
+CUDA_ROOT=$cuda_root cargo test -p tandem-models --features cuda --lib --locked cuda::
 echo "== cargo test"
 cargo test --workspace --locked -- --test-threads 2

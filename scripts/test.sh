@@ -16,5 +16,6 @@ CUDA_ROOT=$cuda_root cargo clippy -p tandem-kernels -p tandem-models -p tandem-s
     -- -D warnings
 echo "== the cuda feature's host-side unit tests (no GPU: batch translation, model refusals)"
 CUDA_ROOT=$cuda_root cargo test -p tandem-models --features cuda --lib --locked cuda::
+CUDA_ROOT=$cuda_root cargo test -p tandem-kernels --features cuda --lib --locked
 echo "== cargo test"
 cargo test --workspace --locked -- --test-threads 2

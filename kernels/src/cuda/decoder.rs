@@ -401,46 +401,7 @@ impl GpuDecoder {
     }
 
     fn check(&self, step: &StepInput<'_>) -> Result<(), KernelError> {
-        let t = step.token_ids.len();
-        let bad = |m: String| Err(KernelError::Shape(m));
-        if t == 0 || t > self.max_tokens {
-            return bad(format!("{t} rows: the decoder takes 1..={}", self.max_tokens));
-        }
-        if [step.positions, step.slots, step.ctx_idx, step.table_off]
-            .iter()
-            .any(|v| v.len() != t)
-        {
-            return bad("every per-row array needs one entry per row".into());
-        }
-        if step.logits_rows.len() > self.max_tokens.min(MAX_LOGITS_ROWS) {
-            return bad(format!("{} logits rows", step.logits_rows.len()));
-        }
-        let layout = self.cache.layout();
-        let (bs, nb) = (layout.block_size, layout.num_blocks);
-        if let Some(id) = step.token_ids.iter().find(|&&id| id as usize >= self.shape.vocab) {
-            return bad(format!("token id {id} outside a vocabulary of {}", self.shape.vocab));
-        }
-        if let Some(p) = step.positions.iter().find(|&&p| p as usize >= self.shape.max_positions) {
-            return bad(format!("position {p} beyond {}", self.shape.max_positions));
-        }
-        if let Some(s) = step.slots.iter().find(|&&s| s as usize >= nb * bs) {
-            return bad(format!("slot {s} outside a cache of {nb} blocks of {bs}"));
-        }
-        if let Some(b) = step.tables.iter().find(|&&b| b as usize >= nb) {
-            return bad(format!("block {b} outside a cache of {nb} blocks"));
-        }
-        for row in 0..t {
-            let (off, ctx) = (step.table_off[row] as usize, step.ctx_idx[row] as usize);
-            if off + ctx / bs >= step.tables.len() {
-                return bad(format!(
-                    "row {row}: its table at {off} does not cover cache index {ctx}"
-                ));
-            }
-        }
-        if let Some(r) = step.logits_rows.iter().find(|&&r| r as usize >= t) {
-            return bad(format!("logits row {r} of {t} rows"));
-        }
-        Ok(())
+        check_step(step, &self.shape, self.cache.layout(), self.max_tokens)
     }
 
     fn enqueue(&self, s: &mut Scratch, step: &StepInput<'_>) -> Result<(), KernelError> {
@@ -688,6 +649,56 @@ impl GpuDecoder {
     }
 }
 
+/// Refuses a step that would make a kernel read or write outside its buffers: rows beyond the
+/// scratch, token ids beyond the vocabulary, positions beyond the RoPE table, slots or blocks
+/// beyond the cache, tables that do not reach a row's cache index, logits rows beyond the step.
+fn check_step(
+step: &StepInput<'_>,
+shape: &DecoderShape,
+layout: &tandem_kv_cache::BlockLayout,
+max_tokens: usize,
+) -> Result<(), KernelError> {
+    let t = step.token_ids.len();
+    let bad = |m: String| Err(KernelError::Shape(m));
+    if t == 0 || t > max_tokens {
+        return bad(format!("{t} rows: the decoder takes 1..={}", max_tokens));
+    }
+    if [step.positions, step.slots, step.ctx_idx, step.table_off]
+        .iter()
+        .any(|v| v.len() != t)
+    {
+        return bad("every per-row array needs one entry per row".into());
+    }
+    if step.logits_rows.len() > max_tokens.min(MAX_LOGITS_ROWS) {
+        return bad(format!("{} logits rows", step.logits_rows.len()));
+    }
+    let (bs, nb) = (layout.block_size, layout.num_blocks);
+    if let Some(id) = step.token_ids.iter().find(|&&id| id as usize >= shape.vocab) {
+        return bad(format!("token id {id} outside a vocabulary of {}", shape.vocab));
+    }
+    if let Some(p) = step.positions.iter().find(|&&p| p as usize >= shape.max_positions) {
+        return bad(format!("position {p} beyond {}", shape.max_positions));
+    }
+    if let Some(s) = step.slots.iter().find(|&&s| s as usize >= nb * bs) {
+        return bad(format!("slot {s} outside a cache of {nb} blocks of {bs}"));
+    }
+    if let Some(b) = step.tables.iter().find(|&&b| b as usize >= nb) {
+        return bad(format!("block {b} outside a cache of {nb} blocks"));
+    }
+    for row in 0..t {
+        let (off, ctx) = (step.table_off[row] as usize, step.ctx_idx[row] as usize);
+        if off + ctx / bs >= step.tables.len() {
+            return bad(format!(
+                "row {row}: its table at {off} does not cover cache index {ctx}"
+            ));
+        }
+    }
+    if let Some(r) = step.logits_rows.iter().find(|&&r| r as usize >= t) {
+        return bad(format!("logits row {r} of {t} rows"));
+    }
+    Ok(())
+}
+
 fn launch(
     device: &Device,
     f: &CudaFunction,
@@ -841,5 +852,105 @@ impl Loader<'_, '_> {
                 Ok(self.keep(slice))
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tandem_kv_cache::{BlockLayout, CacheDtype};
+
+    struct Owned {
+        ids: Vec<u32>,
+        pos: Vec<u32>,
+        slots: Vec<u32>,
+        ctx: Vec<u32>,
+        off: Vec<u32>,
+        tables: Vec<u32>,
+        rows: Vec<u32>,
+    }
+
+    impl Owned {
+        /// Two rows of one sequence in block 1 of a cache of 8 blocks of 16.
+        fn good() -> Self {
+            Owned {
+                ids: vec![1, 2],
+                pos: vec![0, 1],
+                slots: vec![16, 17],
+                ctx: vec![0, 1],
+                off: vec![0, 0],
+                tables: vec![1],
+                rows: vec![1],
+            }
+        }
+
+        fn check(&self) -> Result<(), KernelError> {
+            let mut shape = DecoderShape::llama_8b();
+            shape.vocab = 300;
+            shape.max_positions = 4096;
+            let layout = BlockLayout::token_major(8, 16, 8, 128, CacheDtype::Bf16);
+            check_step(
+                &StepInput {
+                    token_ids: &self.ids,
+                    positions: &self.pos,
+                    slots: &self.slots,
+                    ctx_idx: &self.ctx,
+                    table_off: &self.off,
+                    tables: &self.tables,
+                    logits_rows: &self.rows,
+                },
+                &shape,
+                &layout,
+                16,
+            )
+        }
+    }
+
+    #[test]
+    fn a_step_that_would_reach_outside_a_buffer_is_refused() {
+        assert!(Owned::good().check().is_ok());
+        type Breaker = fn(&mut Owned);
+        let cases: [(&str, Breaker); 9] = [
+            ("token id", |s| s.ids[0] = 300),
+            ("slot", |s| s.slots[1] = 8 * 16),
+            ("block", |s| s.tables[0] = 8),
+            ("table coverage", |s| s.ctx[1] = 16),
+            ("table offset", |s| s.off[1] = 1),
+            ("logits row", |s| s.rows[0] = 2),
+            ("position", |s| s.pos[0] = 4096),
+            ("row count", |s| s.pos.push(2)),
+            ("too many rows", |s| {
+                s.ids = vec![1; 17];
+                s.pos = vec![0; 17];
+                s.slots = vec![16; 17];
+                s.ctx = vec![0; 17];
+                s.off = vec![0; 17];
+            }),
+        ];
+        for (what, brk) in cases {
+            let mut s = Owned::good();
+            brk(&mut s);
+            assert!(s.check().is_err(), "a bad {what} was accepted");
+        }
+        let mut empty = Owned::good();
+        empty.ids.clear();
+        assert!(empty.check().is_err(), "an empty step");
+    }
+
+    #[test]
+    fn bf16_conversion_rounds_to_nearest_even() {
+        assert_eq!(bf16_bits(1.0), 0x3f80);
+        assert_eq!(bf16_to_f32(bf16_bits(1.0 + 1.0 / 256.0)), 1.0, "a tie rounds to even");
+        assert_eq!(bf16_to_f32(bf16_bits(1.0 + 3.0 / 256.0)), 1.0 + 4.0 / 256.0);
+        assert!(bf16_to_f32(bf16_bits(f32::NAN)).is_nan());
+        assert_eq!(bf16_to_f32(bf16_bits(-2.5)), -2.5);
+    }
+
+    #[test]
+    fn the_8b_shape_reads_15_gb_of_weights_per_step() {
+        // 7.5 billion parameters: every layer matrix and the output layer (the embedding table
+        // is only gathered from).
+        let gb = DecoderShape::llama_8b().weight_bytes() as f64 / 1e9;
+        assert!((15.0..15.1).contains(&gb), "{gb}");
     }
 }

@@ -41,9 +41,15 @@ impl HostModel {
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
         let mut mat = |rows: usize, cols: usize| -> Vec<f32> {
             let a = (3.0 / cols as f32).sqrt();
-            (0..rows * cols).map(|_| rb(rng.random_range(-a..a))).collect()
+            (0..rows * cols)
+                .map(|_| rb(rng.random_range(-a..a)))
+                .collect()
         };
-        let (h, i, qd) = (shape.hidden, shape.intermediate, shape.heads * shape.head_dim);
+        let (h, i, qd) = (
+            shape.hidden,
+            shape.intermediate,
+            shape.heads * shape.head_dim,
+        );
         let qkv = (shape.heads + 2 * shape.kv_heads) * shape.head_dim;
         let embed = mat(shape.vocab, h);
         let output = mat(shape.vocab, h).iter().map(|&x| rb(4.0 * x)).collect();
@@ -125,7 +131,10 @@ impl HostModel {
         for layer in &self.layers {
             let xn = norm(&x, &layer[0]);
             let width = (nh + 2 * nkv) * d;
-            let mut qkv: Vec<f32> = matmul(&xn, &layer[2], width, h).into_iter().map(rb).collect();
+            let mut qkv: Vec<f32> = matmul(&xn, &layer[2], width, h)
+                .into_iter()
+                .map(rb)
+                .collect();
             for t in 0..n {
                 for head in 0..nh + nkv {
                     let base = t * width + head * d;
@@ -167,7 +176,10 @@ impl HostModel {
             let o = matmul(&attn, &layer[3], h, nh * d);
             x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
             let xn = norm(&x, &layer[1]);
-            let gu: Vec<f32> = matmul(&xn, &layer[4], 2 * inter, h).into_iter().map(rb).collect();
+            let gu: Vec<f32> = matmul(&xn, &layer[4], 2 * inter, h)
+                .into_iter()
+                .map(rb)
+                .collect();
             let act: Vec<f32> = (0..n * inter)
                 .map(|k| {
                     let (t, j) = (k / inter, k % inter);
@@ -201,11 +213,19 @@ fn shape(head_dim: usize, heads: usize, kv_heads: usize) -> DecoderShape {
 
 fn load(dev: &Device, model: &HostModel, num_blocks: usize, max_tokens: usize) -> GpuDecoder {
     let s = &model.shape;
-    let layout = BlockLayout::token_major(num_blocks, BLOCK, s.kv_heads, s.head_dim, CacheDtype::Bf16);
+    let layout =
+        BlockLayout::token_major(num_blocks, BLOCK, s.kv_heads, s.head_dim, CacheDtype::Bf16);
     let cache = DeviceKvCache::new(dev, layout, s.layers, KvArrangement::BlockMajor).unwrap();
     let mut source = |t: Tensor| Ok(model.tensor(t));
-    GpuDecoder::new(dev, s.clone(), &model.inv_freq(), cache, max_tokens, Weights::Host(&mut source))
-        .unwrap()
+    GpuDecoder::new(
+        dev,
+        s.clone(),
+        &model.inv_freq(),
+        cache,
+        max_tokens,
+        Weights::Host(&mut source),
+    )
+    .unwrap()
 }
 
 /// One sequence's state in a test: its tokens so far and its scrambled block table.
@@ -243,7 +263,10 @@ fn step(dec: &GpuDecoder, seqs: &mut [&mut Seq], counts: &[usize]) -> Vec<Vec<f3
         logits_rows: &rows,
     };
     let logits = dec.forward(&input).unwrap();
-    logits.chunks(dec.shape().vocab).map(<[f32]>::to_vec).collect()
+    logits
+        .chunks(dec.shape().vocab)
+        .map(<[f32]>::to_vec)
+        .collect()
 }
 
 fn assert_close(gpu: &[f32], cpu: &[f32], what: &str) {
@@ -376,13 +399,16 @@ fn steps_outside_the_cache_the_vocabulary_or_the_scratch_are_refused() {
         ("logits row", Box::new(|s| s.rows[0] = 2)),
         ("position", Box::new(|s| s.pos[0] = 4096)),
         ("row count", Box::new(|s| s.pos.push(2))),
-        ("too many rows", Box::new(|s| {
-            s.ids = vec![1; 17];
-            s.pos = vec![0; 17];
-            s.slots = vec![16; 17];
-            s.ctx = vec![0; 17];
-            s.off = vec![0; 17];
-        })),
+        (
+            "too many rows",
+            Box::new(|s| {
+                s.ids = vec![1; 17];
+                s.pos = vec![0; 17];
+                s.slots = vec![16; 17];
+                s.ctx = vec![0; 17];
+                s.off = vec![0; 17];
+            }),
+        ),
     ];
     for (what, mut f) in cases {
         assert!(good(&mut *f).is_err(), "a bad {what} was accepted");

@@ -713,11 +713,7 @@ impl DecoderWeights {
         };
         match tensor {
             Tensor::Embedding => self.embed.to_f32(),
-            Tensor::Output => self
-                .head
-                .as_ref()
-                .unwrap_or(&self.embed)
-                .to_f32(),
+            Tensor::Output => self.head.as_ref().unwrap_or(&self.embed).to_f32(),
             Tensor::FinalNorm => Ok(self.norm.clone()),
             Tensor::AttnNorm(l) => Ok(layer(l)?.norms.attn.clone()),
             Tensor::FfnNorm(l) => Ok(layer(l)?.norms.ffn.clone()),

@@ -43,7 +43,9 @@ fn compare(
     })
     .unwrap();
     // Blocks handed out in a scrambled order: 7 is coprime with 256.
-    let mut free: Vec<u32> = (0..BLOCKS as u32).map(|i| (i * 7 + 3) % BLOCKS as u32).collect();
+    let mut free: Vec<u32> = (0..BLOCKS as u32)
+        .map(|i| (i * 7 + 3) % BLOCKS as u32)
+        .collect();
     let mut tokens: Vec<Vec<u32>> = prompts.to_vec();
     let mut cached = vec![0usize; prompts.len()];
     let mut tables: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
@@ -98,7 +100,11 @@ fn compare(
         assert_eq!(got.len(), want.len());
         for (i, (w, g)) in want.chunks(vocab).zip(got.chunks(vocab)).enumerate() {
             let scale = w.iter().map(|v| v.abs()).fold(0f32, f32::max).max(1.0);
-            let diff = w.iter().zip(g).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            let diff = w
+                .iter()
+                .zip(g)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
             stats.worst_rel = stats.worst_rel.max(diff / scale);
             stats.compared += 1;
             assert!(
@@ -141,8 +147,13 @@ fn smollm2_in_bf16_on_the_gpu_agrees_with_the_cpu_in_f32() {
     let cpu = common::load(WeightMode::F32)
         .expect("the GPU tests need the embedded model: set TANDEM_MODEL_DIR");
     let dev = Device::open(0).unwrap_or_else(|e| panic!("these tests need a CUDA GPU: {e}"));
-    let gpu = load_gpu_model("smollm2-135m", &LoadOptions::default(), &dev, gpu_options(256))
-        .unwrap();
+    let gpu = load_gpu_model(
+        "smollm2-135m",
+        &LoadOptions::default(),
+        &dev,
+        gpu_options(256),
+    )
+    .unwrap();
     let prompts: Vec<Vec<u32>> = [
         "The capital of France is",
         "Write a short poem about the sea, in the style of a sailor who misses home and \

@@ -410,8 +410,8 @@ mod tests {
 
     #[test]
     fn a_storage_of_device_memory_describes_layouts_and_refuses_host_access() {
-        let s = KvStorage::elsewhere(&config(CacheDtype::Bf16), LayoutOrder::TokenMajor, &[4])
-            .unwrap();
+        let s =
+            KvStorage::elsewhere(&config(CacheDtype::Bf16), LayoutOrder::TokenMajor, &[4]).unwrap();
         assert!(!s.in_host_memory());
         assert_eq!(s.num_layers(), 2);
         assert_eq!(s.layout(1).num_blocks, 4);
@@ -421,11 +421,16 @@ mod tests {
             s.write_slots(0, &[0], &[0.0; 16], &[0.0; 16]),
             Err(KvCacheError::NotInHostMemory)
         ));
-        assert!(matches!(s.copy_block(0, 1), Err(KvCacheError::NotInHostMemory)));
+        assert!(matches!(
+            s.copy_block(0, 1),
+            Err(KvCacheError::NotInHostMemory)
+        ));
         // SAFETY: nothing is returned.
         assert!(unsafe { s.block_bytes_mut(0, KvPart::K, 0) }.is_err());
         assert!(s.regions().is_empty());
-        assert!(KvStorage::new(&config(CacheDtype::Bf16)).unwrap().in_host_memory());
+        assert!(KvStorage::new(&config(CacheDtype::Bf16))
+            .unwrap()
+            .in_host_memory());
     }
 
     #[test]

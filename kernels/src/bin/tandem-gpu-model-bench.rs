@@ -109,7 +109,8 @@ impl Step {
             for i in seq.len..seq.len + count {
                 s.ids.push(((i * 7919) % vocab) as u32);
                 s.pos.push(i as u32);
-                s.slots.push(seq.table[i / BLOCK] * BLOCK as u32 + (i % BLOCK) as u32);
+                s.slots
+                    .push(seq.table[i / BLOCK] * BLOCK as u32 + (i % BLOCK) as u32);
                 s.ctx.push(i as u32);
                 s.off.push(start);
             }
@@ -216,9 +217,7 @@ fn run(args: &Args) -> Res<()> {
     // Sequences for decode, blocks scattered (interleaved between sequences), prefilled to ctx.
     let mut seqs: Vec<Seq> = (0..args.batch)
         .map(|s| Seq {
-            table: (0..per_seq)
-                .map(|b| (b * args.batch + s) as u32)
-                .collect(),
+            table: (0..per_seq).map(|b| (b * args.batch + s) as u32).collect(),
             len: 0,
         })
         .collect();
@@ -275,7 +274,12 @@ fn run(args: &Args) -> Res<()> {
         let blas = Blas::new(&dev)?;
         let (h, i) = (shape.hidden, shape.intermediate);
         let qkv = (shape.heads + 2 * shape.kv_heads) * shape.head_dim;
-        let mats = [(qkv, h), (h, shape.heads * shape.head_dim), (2 * i, h), (h, i)];
+        let mats = [
+            (qkv, h),
+            (h, shape.heads * shape.head_dim),
+            (2 * i, h),
+            (h, i),
+        ];
         let layer_elems: usize = mats.iter().map(|(r, c)| r * c).sum();
         let w = stream.alloc_zeros::<u16>(layer_elems * shape.layers + shape.vocab * h)?;
         let x = stream.alloc_zeros::<u16>(2 * i)?;

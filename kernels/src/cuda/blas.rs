@@ -11,9 +11,7 @@
 use std::ffi::c_void;
 
 use cudarc::cublas::result as blas;
-use cudarc::cublas::sys::{
-    cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType,
-};
+use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::CudaSlice;
 
@@ -80,7 +78,14 @@ impl Blas {
         (m, n, k): (usize, usize, usize),
         out: Output,
     ) -> Result<(), KernelError> {
-        let (alpha, beta) = (1.0f32, if out == Output::AccumulateF32 { 1.0f32 } else { 0.0 });
+        let (alpha, beta) = (
+            1.0f32,
+            if out == Output::AccumulateF32 {
+                1.0f32
+            } else {
+                0.0
+            },
+        );
         let y_type = match out {
             Output::Bf16 => cudaDataType::CUDA_R_16BF,
             Output::F32 | Output::AccumulateF32 => cudaDataType::CUDA_R_32F,

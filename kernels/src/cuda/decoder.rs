@@ -200,7 +200,9 @@ pub struct StepGraph {
 
 impl std::fmt::Debug for StepGraph {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("StepGraph").field("plan", &self.plan).finish()
+        f.debug_struct("StepGraph")
+            .field("plan", &self.plan)
+            .finish()
     }
 }
 
@@ -433,7 +435,11 @@ impl GpuDecoder {
     }
 
     /// Queues `step` through `graph` without reading anything back.
-    pub fn replay_queued(&self, graph: &StepGraph, step: &StepInput<'_>) -> Result<(), KernelError> {
+    pub fn replay_queued(
+        &self,
+        graph: &StepGraph,
+        step: &StepInput<'_>,
+    ) -> Result<(), KernelError> {
         let mut scratch = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
         let plan = self.upload(&mut scratch, step)?;
         if plan != graph.plan {
@@ -457,7 +463,9 @@ impl GpuDecoder {
         let mut out = vec![0f32; n];
         if n > 0 {
             let view = s.logits.slice(..n);
-            self.device.stream().memcpy_dtoh(&view, out.as_mut_slice())?;
+            self.device
+                .stream()
+                .memcpy_dtoh(&view, out.as_mut_slice())?;
         }
         self.device.stream().synchronize()?;
         Ok(out)
@@ -478,7 +486,10 @@ impl GpuDecoder {
         ];
         let meta_len: usize = parts.iter().map(|p| p.len()).sum();
         if meta_len > s.meta.len() {
-            s.meta = self.device.stream().alloc_zeros::<u32>(meta_len.next_power_of_two())?;
+            s.meta = self
+                .device
+                .stream()
+                .alloc_zeros::<u32>(meta_len.next_power_of_two())?;
             s.addr.meta = address(&s.meta, &self.device);
         }
         let mut meta = Vec::with_capacity(meta_len);
@@ -489,14 +500,17 @@ impl GpuDecoder {
         }
         {
             let mut view = s.meta.slice_mut(..meta_len);
-            self.device.stream().memcpy_htod(meta.as_slice(), &mut view)?;
+            self.device
+                .stream()
+                .memcpy_htod(meta.as_slice(), &mut view)?;
         }
         let t = step.token_ids.len();
         let shape = &self.shape;
         let max_keys = step.ctx_idx.iter().max().map_or(1, |&c| c as usize + 1);
         let mut splits = max_keys.div_ceil(KEYS_PER_SPLIT).min(MAX_SPLITS);
         // A step with many rows fills the GPU without splits (and would overflow `part`).
-        if t * shape.kv_heads >= 512 || t * shape.heads * splits * (shape.head_dim + 2) > s.part_len {
+        if t * shape.kv_heads >= 512 || t * shape.heads * splits * (shape.head_dim + 2) > s.part_len
+        {
             splits = 1;
         }
         Ok(StepPlan {
@@ -519,7 +533,11 @@ impl GpuDecoder {
         let (x, xn, qkv, attn, gate_up, act, part, logits) =
             (a.x, a.xn, a.qkv, a.attn, a.gate_up, a.act, a.part, a.logits);
         // With one split a row's keys are all its context (the kernel stops at ctx_idx + 1).
-        let chunk = if splits == 1 { u32::MAX } else { KEYS_PER_SPLIT as u32 };
+        let chunk = if splits == 1 {
+            u32::MAX
+        } else {
+            KEYS_PER_SPLIT as u32
+        };
         let layout = self.cache.layout();
         let scale = 1.0 / (shape.head_dim as f32).sqrt();
         let t32 = t as u32;
@@ -527,7 +545,13 @@ impl GpuDecoder {
             &self.kernels.embed,
             (t32, 1, 1),
             256,
-            &[Arg::U64(ids), Arg::U64(self.embed), Arg::U64(x), Arg::U32(h as u32), Arg::F32(1.0)],
+            &[
+                Arg::U64(ids),
+                Arg::U64(self.embed),
+                Arg::U64(x),
+                Arg::U32(h as u32),
+                Arg::F32(1.0),
+            ],
         )?;
         for (l, layer) in self.layers.iter().enumerate() {
             let cl = self.cache.layers()[l];
@@ -535,8 +559,15 @@ impl GpuDecoder {
             // SAFETY (every matmul): the addresses are this decoder's weights and scratch, sized for
             // `max_tokens >= t` rows of these widths.
             unsafe {
-                self.blas
-                    .matmul(xn, h, layer.qkv, qkv, shape.qkv_width(), (t, shape.qkv_width(), h), Output::Bf16)?;
+                self.blas.matmul(
+                    xn,
+                    h,
+                    layer.qkv,
+                    qkv,
+                    shape.qkv_width(),
+                    (t, shape.qkv_width(), h),
+                    Output::Bf16,
+                )?;
             }
             self.launch(
                 &self.kernels.rope_write,
@@ -597,26 +628,52 @@ impl GpuDecoder {
             }
             self.rms_norm(x, 0, layer.ffn_norm, xn, t)?;
             unsafe {
-                self.blas
-                    .matmul(xn, h, layer.gate_up, gate_up, 2 * inter, (t, 2 * inter, h), Output::Bf16)?;
+                self.blas.matmul(
+                    xn,
+                    h,
+                    layer.gate_up,
+                    gate_up,
+                    2 * inter,
+                    (t, 2 * inter, h),
+                    Output::Bf16,
+                )?;
             }
             let total = (t * inter) as u64;
             self.launch(
                 &self.kernels.silu_mul,
                 (total.div_ceil(256).min(65_535) as u32, 1, 1),
                 256,
-                &[Arg::U64(gate_up), Arg::U64(act), Arg::U32(inter as u32), Arg::U64(total)],
+                &[
+                    Arg::U64(gate_up),
+                    Arg::U64(act),
+                    Arg::U32(inter as u32),
+                    Arg::U64(total),
+                ],
             )?;
             unsafe {
-                self.blas
-                    .matmul(act, inter, layer.down, x, h, (t, h, inter), Output::AccumulateF32)?;
+                self.blas.matmul(
+                    act,
+                    inter,
+                    layer.down,
+                    x,
+                    h,
+                    (t, h, inter),
+                    Output::AccumulateF32,
+                )?;
             }
         }
         if r > 0 {
             self.rms_norm(x, logits_rows, self.final_norm, xn, r)?;
             unsafe {
-                self.blas
-                    .matmul(xn, h, self.output, logits, shape.vocab, (r, shape.vocab, h), Output::F32)?;
+                self.blas.matmul(
+                    xn,
+                    h,
+                    self.output,
+                    logits,
+                    shape.vocab,
+                    (r, shape.vocab, h),
+                    Output::F32,
+                )?;
             }
         }
         Ok(())
@@ -653,10 +710,10 @@ impl GpuDecoder {
 /// scratch, token ids beyond the vocabulary, positions beyond the RoPE table, slots or blocks
 /// beyond the cache, tables that do not reach a row's cache index, logits rows beyond the step.
 fn check_step(
-step: &StepInput<'_>,
-shape: &DecoderShape,
-layout: &tandem_kv_cache::BlockLayout,
-max_tokens: usize,
+    step: &StepInput<'_>,
+    shape: &DecoderShape,
+    layout: &tandem_kv_cache::BlockLayout,
+    max_tokens: usize,
 ) -> Result<(), KernelError> {
     let t = step.token_ids.len();
     let bad = |m: String| Err(KernelError::Shape(m));
@@ -673,10 +730,21 @@ max_tokens: usize,
         return bad(format!("{} logits rows", step.logits_rows.len()));
     }
     let (bs, nb) = (layout.block_size, layout.num_blocks);
-    if let Some(id) = step.token_ids.iter().find(|&&id| id as usize >= shape.vocab) {
-        return bad(format!("token id {id} outside a vocabulary of {}", shape.vocab));
+    if let Some(id) = step
+        .token_ids
+        .iter()
+        .find(|&&id| id as usize >= shape.vocab)
+    {
+        return bad(format!(
+            "token id {id} outside a vocabulary of {}",
+            shape.vocab
+        ));
     }
-    if let Some(p) = step.positions.iter().find(|&&p| p as usize >= shape.max_positions) {
+    if let Some(p) = step
+        .positions
+        .iter()
+        .find(|&&p| p as usize >= shape.max_positions)
+    {
         return bad(format!("position {p} beyond {}", shape.max_positions));
     }
     if let Some(s) = step.slots.iter().find(|&&s| s as usize >= nb * bs) {
@@ -836,7 +904,10 @@ impl Loader<'_, '_> {
                     &[
                         Arg::U64(addr),
                         Arg::U64(n as u64),
-                        Arg::U64(seed.wrapping_mul(0x9E37_79B9).wrapping_add(self.seed_counter << 40)),
+                        Arg::U64(
+                            seed.wrapping_mul(0x9E37_79B9)
+                                .wrapping_add(self.seed_counter << 40),
+                        ),
                         Arg::F32(scale),
                     ],
                 )?;
@@ -940,7 +1011,11 @@ mod tests {
     #[test]
     fn bf16_conversion_rounds_to_nearest_even() {
         assert_eq!(bf16_bits(1.0), 0x3f80);
-        assert_eq!(bf16_to_f32(bf16_bits(1.0 + 1.0 / 256.0)), 1.0, "a tie rounds to even");
+        assert_eq!(
+            bf16_to_f32(bf16_bits(1.0 + 1.0 / 256.0)),
+            1.0,
+            "a tie rounds to even"
+        );
         assert_eq!(bf16_to_f32(bf16_bits(1.0 + 3.0 / 256.0)), 1.0 + 4.0 / 256.0);
         assert!(bf16_to_f32(bf16_bits(f32::NAN)).is_nan());
         assert_eq!(bf16_to_f32(bf16_bits(-2.5)), -2.5);

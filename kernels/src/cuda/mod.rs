@@ -14,9 +14,9 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, CudaModule, CudaSlice, CudaStream, DevicePtr};
 use cudarc::nvrtc::Ptx;
 
+pub use blas::{Blas, Output};
 pub use checksum::{CudaBackend, CudaChecksums, PendingChecksums, MAX_BLOCKS_PER_LAUNCH};
 pub use cudarc::driver::CudaEvent;
-pub use blas::{Blas, Output};
 pub use decoder::{
     bf16_bits, bf16_to_f32, DecoderShape, GpuDecoder, StepInput, Tensor, Weights, MAX_GROUP,
 };

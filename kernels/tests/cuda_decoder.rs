@@ -12,7 +12,7 @@
 use rand::{Rng, SeedableRng};
 use tandem_kernels::cuda::{
     bf16_bits, bf16_to_f32, DecoderShape, Device, DeviceKvCache, GpuDecoder, KvArrangement,
-    StepInput, Tensor, Weights,
+    OwnedStep, Tensor, Weights,
 };
 use tandem_kv_cache::{BlockLayout, CacheDtype};
 
@@ -238,31 +238,13 @@ struct Seq {
 /// Runs one step in which each listed sequence computes `count` more tokens (its tokens
 /// `computed..computed + count`), returning the logits of each one's last row.
 fn step(dec: &GpuDecoder, seqs: &mut [&mut Seq], counts: &[usize]) -> Vec<Vec<f32>> {
-    let (mut ids, mut pos, mut slots, mut ctx, mut off, mut tables, mut rows) =
-        (vec![], vec![], vec![], vec![], vec![], vec![], vec![]);
+    let mut input = OwnedStep::default();
     for (seq, &count) in seqs.iter_mut().zip(counts) {
-        let table_start = tables.len() as u32;
-        tables.extend_from_slice(&seq.table);
-        for i in seq.computed..seq.computed + count {
-            ids.push(seq.tokens[i]);
-            pos.push(i as u32);
-            slots.push(seq.table[i / BLOCK] * BLOCK as u32 + (i % BLOCK) as u32);
-            ctx.push(i as u32);
-            off.push(table_start);
-        }
+        let ids = &seq.tokens[seq.computed..seq.computed + count];
+        input.push_sequence(&seq.table, BLOCK, seq.computed, ids);
         seq.computed += count;
-        rows.push(ids.len() as u32 - 1);
     }
-    let input = StepInput {
-        token_ids: &ids,
-        positions: &pos,
-        slots: &slots,
-        ctx_idx: &ctx,
-        table_off: &off,
-        tables: &tables,
-        logits_rows: &rows,
-    };
-    let logits = dec.forward(&input).unwrap();
+    let logits = dec.forward(&input.input()).unwrap();
     logits
         .chunks(dec.shape().vocab)
         .map(<[f32]>::to_vec)
@@ -376,65 +358,35 @@ fn steps_outside_the_cache_the_vocabulary_or_the_scratch_are_refused() {
     let dev = device();
     let model = HostModel::random(shape(64, 2, 1), 1);
     let dec = load(&dev, &model, 8, 16);
-    let good = |f: &mut dyn FnMut(&mut StepInputOwned)| {
-        let mut s = StepInputOwned {
-            ids: vec![1, 2],
-            pos: vec![0, 1],
-            slots: vec![16, 17],
-            ctx: vec![0, 1],
-            off: vec![0, 0],
-            tables: vec![1],
-            rows: vec![1],
-        };
+    // Two rows of one sequence in block 1.
+    let good = |f: &mut dyn FnMut(&mut OwnedStep)| {
+        let mut s = OwnedStep::default();
+        s.push_sequence(&[1], BLOCK, 0, &[1, 2]);
         f(&mut s);
-        dec.forward(&s.view())
+        dec.forward(&s.input())
     };
     assert!(good(&mut |_| {}).is_ok());
-    type Breaker = Box<dyn FnMut(&mut StepInputOwned)>;
+    type Breaker = Box<dyn FnMut(&mut OwnedStep)>;
     let cases: Vec<(&str, Breaker)> = vec![
-        ("token id", Box::new(|s| s.ids[0] = 301)),
+        ("token id", Box::new(|s| s.token_ids[0] = 301)),
         ("slot", Box::new(|s| s.slots[1] = 8 * 16)),
         ("block", Box::new(|s| s.tables[0] = 8)),
-        ("table coverage", Box::new(|s| s.ctx[1] = 16)),
-        ("logits row", Box::new(|s| s.rows[0] = 2)),
-        ("position", Box::new(|s| s.pos[0] = 4096)),
-        ("row count", Box::new(|s| s.pos.push(2))),
+        ("table coverage", Box::new(|s| s.ctx_idx[1] = 16)),
+        ("logits row", Box::new(|s| s.logits_rows[0] = 2)),
+        ("position", Box::new(|s| s.positions[0] = 4096)),
+        ("row count", Box::new(|s| s.positions.push(2))),
         (
             "too many rows",
             Box::new(|s| {
-                s.ids = vec![1; 17];
-                s.pos = vec![0; 17];
+                s.token_ids = vec![1; 17];
+                s.positions = vec![0; 17];
                 s.slots = vec![16; 17];
-                s.ctx = vec![0; 17];
-                s.off = vec![0; 17];
+                s.ctx_idx = vec![0; 17];
+                s.table_off = vec![0; 17];
             }),
         ),
     ];
     for (what, mut f) in cases {
         assert!(good(&mut *f).is_err(), "a bad {what} was accepted");
-    }
-}
-
-struct StepInputOwned {
-    ids: Vec<u32>,
-    pos: Vec<u32>,
-    slots: Vec<u32>,
-    ctx: Vec<u32>,
-    off: Vec<u32>,
-    tables: Vec<u32>,
-    rows: Vec<u32>,
-}
-
-impl StepInputOwned {
-    fn view(&self) -> StepInput<'_> {
-        StepInput {
-            token_ids: &self.ids,
-            positions: &self.pos,
-            slots: &self.slots,
-            ctx_idx: &self.ctx,
-            table_off: &self.off,
-            tables: &self.tables,
-            logits_rows: &self.rows,
-        }
     }
 }

@@ -1,6 +1,6 @@
 //! The GPU decoder of `tandem-kernels` ([`GpuDecoder`]: bf16 weights, a paged bf16 KV cache in
 //! device memory) loaded from the files the CPU decoder reads, and the engine's [`ForwardBatch`]
-//! translated into its step arrays ([`GpuStep`]).
+//! translated into its step arrays ([`gpu_step`]).
 //!
 //! Invariants: only models the GPU decoder computes exactly as the CPU one are loaded (the Llama
 //! family: SwiGLU, one full-attention cache, no extra norms or scales); others are refused with
@@ -10,7 +10,7 @@
 use std::path::PathBuf;
 
 use tandem_kernels::cuda::{
-    DecoderShape, Device, DeviceKvCache, GpuDecoder, KvArrangement, StepInput, Weights,
+    DecoderShape, Device, DeviceKvCache, GpuDecoder, KvArrangement, OwnedStep, Weights,
 };
 use tandem_kv_cache::{BlockLayout, CacheDtype};
 
@@ -54,22 +54,7 @@ pub fn read_gpu_model(
     let cfg = weights.config().clone();
     check_supported(&cfg)?;
     let shape = shape_of(&cfg);
-    let info = ModelInfo {
-        architecture: cfg.features.arch.into(),
-        num_layers: cfg.num_layers,
-        hidden_size: cfg.hidden_size,
-        intermediate_size: cfg.intermediate_size,
-        num_heads: cfg.num_heads,
-        num_kv_heads: cfg.num_kv_heads,
-        head_dim: cfg.head_dim,
-        vocab_size: cfg.vocab_size,
-        max_position_embeddings: cfg.max_position_embeddings,
-        rope_theta: cfg.rope_theta,
-        rms_norm_eps: cfg.rms_norm_eps,
-        tie_word_embeddings: cfg.tie_word_embeddings,
-        weight_mode: WeightMode::Bf16,
-        weight_bytes: shape.weight_bytes(),
-    };
+    let info = weights.model_info(WeightMode::Bf16, shape.weight_bytes());
     Ok((
         GpuModelFiles {
             name,
@@ -88,16 +73,7 @@ impl GpuModelFiles {
 
     /// The one full-attention group of the model's layers, as the CPU decoder names them.
     pub fn kv_cache_groups(&self, block_size: usize, dtype: CacheDtype) -> Vec<KvCacheGroup> {
-        vec![KvCacheGroup {
-            group_id: 0,
-            spec: KvCacheSpec::FullAttention {
-                block_size,
-                num_kv_heads: self.info.num_kv_heads,
-                head_dim: self.info.head_dim,
-                dtype,
-            },
-            layer_names: (0..self.info.num_layers).map(layer_name).collect(),
-        }]
+        full_attention_group(&self.info, block_size, dtype)
     }
 
     /// Places the model and a KV cache of `cache` on `device`.
@@ -143,6 +119,25 @@ impl GpuModelFiles {
             decoder,
         })
     }
+}
+
+/// The one KV cache group of a model the GPU decoder runs: every layer full attention, named as
+/// the CPU decoder names them.
+fn full_attention_group(
+    info: &ModelInfo,
+    block_size: usize,
+    dtype: CacheDtype,
+) -> Vec<KvCacheGroup> {
+    vec![KvCacheGroup {
+        group_id: 0,
+        spec: KvCacheSpec::FullAttention {
+            block_size,
+            num_kv_heads: info.num_kv_heads,
+            head_dim: info.head_dim,
+            dtype,
+        },
+        layer_names: (0..info.num_layers).map(layer_name).collect(),
+    }]
 }
 
 fn shape_of(cfg: &DecoderConfig) -> DecoderShape {
@@ -207,77 +202,46 @@ fn check_supported(cfg: &DecoderConfig) -> Result<(), ModelError> {
     Ok(())
 }
 
-/// A [`ForwardBatch`] as the GPU decoder's step arrays.
-#[derive(Debug, Default, Clone)]
-pub struct GpuStep {
-    ids: Vec<u32>,
-    positions: Vec<u32>,
-    slots: Vec<u32>,
-    ctx_idx: Vec<u32>,
-    table_off: Vec<u32>,
-    tables: Vec<u32>,
-    logits_rows: Vec<u32>,
-}
-
-impl GpuStep {
-    /// Translates `batch` (one KV cache group) for a cache of `block_size`-token blocks.
-    pub fn from_batch(
-        batch: &ForwardBatch<'_>,
-        block_size: usize,
-        max_positions: usize,
-    ) -> Result<Self, ModelError> {
-        batch.validate(block_size, max_positions)?;
-        if batch.slot_mappings.len() != 1 {
-            return Err(ModelError::InvalidBatch(format!(
-                "the GPU decoder has one KV cache group, the batch {}",
-                batch.slot_mappings.len()
-            )));
-        }
-        let u32_of = |v: usize, what: &str| {
-            u32::try_from(v).map_err(|_| ModelError::InvalidBatch(format!("{what} {v} > u32")))
-        };
-        let n = batch.num_tokens();
-        let mut step = GpuStep {
-            ids: batch.token_ids.to_vec(),
-            positions: Vec::with_capacity(n),
-            slots: Vec::with_capacity(n),
-            ctx_idx: vec![0; n],
-            table_off: vec![0; n],
-            tables: Vec::new(),
-            logits_rows: Vec::with_capacity(batch.logits_indices.len()),
-        };
-        for &p in batch.positions {
-            step.positions.push(u32_of(p, "position")?);
-        }
-        for &s in batch.slots(0) {
-            step.slots.push(u32_of(s, "slot")?);
-        }
-        for seq in batch.seqs {
-            let off = u32_of(step.tables.len(), "table offset")?;
-            step.tables.extend_from_slice(seq.table(0));
-            let first = seq.context_len - seq.query_len;
-            for i in 0..seq.query_len {
-                step.ctx_idx[seq.query_start + i] = u32_of(first + i, "cache index")?;
-                step.table_off[seq.query_start + i] = off;
-            }
-        }
-        for &r in batch.logits_indices {
-            step.logits_rows.push(u32_of(r, "logits row")?);
-        }
-        Ok(step)
+/// Translates `batch` (validated first; one KV cache group) into the GPU decoder's step arrays
+/// for a cache of `block_size`-token blocks.
+pub fn gpu_step(
+    batch: &ForwardBatch<'_>,
+    block_size: usize,
+    max_positions: usize,
+) -> Result<OwnedStep, ModelError> {
+    batch.validate(block_size, max_positions)?;
+    if batch.slot_mappings.len() != 1 {
+        return Err(ModelError::InvalidBatch(format!(
+            "the GPU decoder has one KV cache group, the batch {}",
+            batch.slot_mappings.len()
+        )));
     }
-
-    pub fn input(&self) -> StepInput<'_> {
-        StepInput {
-            token_ids: &self.ids,
-            positions: &self.positions,
-            slots: &self.slots,
-            ctx_idx: &self.ctx_idx,
-            table_off: &self.table_off,
-            tables: &self.tables,
-            logits_rows: &self.logits_rows,
+    let u32_of = |v: usize, what: &str| {
+        u32::try_from(v).map_err(|_| ModelError::InvalidBatch(format!("{what} {v} > u32")))
+    };
+    let all = |values: &[usize], what: &str| -> Result<Vec<u32>, ModelError> {
+        values.iter().map(|&v| u32_of(v, what)).collect()
+    };
+    let n = batch.num_tokens();
+    let mut step = OwnedStep {
+        token_ids: batch.token_ids.to_vec(),
+        positions: all(batch.positions, "position")?,
+        slots: all(batch.slots(0), "slot")?,
+        ctx_idx: vec![0; n],
+        table_off: vec![0; n],
+        tables: Vec::new(),
+        logits_rows: all(batch.logits_indices, "logits row")?,
+    };
+    for seq in batch.seqs {
+        let off = u32_of(step.tables.len(), "table offset")?;
+        step.tables.extend_from_slice(seq.table(0));
+        let first = seq.context_len - seq.query_len;
+        for i in 0..seq.query_len {
+            step.ctx_idx[seq.query_start + i] = u32_of(first + i, "cache index")?;
+            step.table_off[seq.query_start + i] = off;
         }
     }
+    Ok(step)
 }
 
 /// The engine's view of a [`GpuModel`]: the KV cache it is handed describes the device cache
@@ -289,16 +253,7 @@ impl CausalLm for GpuModel {
     }
 
     fn kv_cache_groups(&self, block_size: usize, dtype: CacheDtype) -> Vec<KvCacheGroup> {
-        vec![KvCacheGroup {
-            group_id: 0,
-            spec: KvCacheSpec::FullAttention {
-                block_size,
-                num_kv_heads: self.info.num_kv_heads,
-                head_dim: self.info.head_dim,
-                dtype,
-            },
-            layer_names: (0..self.info.num_layers).map(layer_name).collect(),
-        }]
+        full_attention_group(&self.info, block_size, dtype)
     }
 
     fn forward(&self, batch: &ForwardBatch, kv: &KvStorage) -> Result<Vec<f32>, ModelError> {
@@ -330,7 +285,7 @@ impl GpuModel {
     /// Runs one step of the engine's batch and returns the logits of its `logits_indices` rows.
     pub fn forward(&self, batch: &ForwardBatch<'_>) -> Result<Vec<f32>, ModelError> {
         let block_size = self.decoder.cache().layout().block_size;
-        let step = GpuStep::from_batch(batch, block_size, self.config.max_position_embeddings)?;
+        let step = gpu_step(batch, block_size, self.config.max_position_embeddings)?;
         Ok(self.decoder.forward(&step.input())?)
     }
 }
@@ -402,7 +357,7 @@ mod tests {
             seqs: &seqs,
             logits_indices: &[0, 3],
         };
-        let step = GpuStep::from_batch(&batch, 4, 256).unwrap();
+        let step = gpu_step(&batch, 4, 256).unwrap();
         let input = step.input();
         assert_eq!(input.ctx_idx, &[20, 4, 5, 6]);
         assert_eq!(input.table_off, &[0, 6, 6, 6]);
@@ -415,6 +370,6 @@ mod tests {
             slot_mappings: std::slice::from_ref(&bad),
             ..batch
         };
-        assert!(GpuStep::from_batch(&batch, 4, 256).is_err());
+        assert!(gpu_step(&batch, 4, 256).is_err());
     }
 }

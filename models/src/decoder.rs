@@ -218,6 +218,28 @@ pub(crate) struct DecoderWeights {
 }
 
 impl DecoderWeights {
+    /// The whole model's [`ModelInfo`], its weights held as `mode`, `weight_bytes` of them read
+    /// per step (by the rank this is for).
+    pub(crate) fn model_info(&self, mode: WeightMode, weight_bytes: usize) -> ModelInfo {
+        let cfg = &self.cfg;
+        ModelInfo {
+            architecture: cfg.features.arch.into(),
+            num_layers: cfg.num_layers,
+            hidden_size: cfg.hidden_size,
+            intermediate_size: cfg.intermediate_size,
+            num_heads: cfg.num_heads,
+            num_kv_heads: cfg.num_kv_heads,
+            head_dim: cfg.head_dim,
+            vocab_size: cfg.vocab_size,
+            max_position_embeddings: cfg.max_position_embeddings,
+            rope_theta: cfg.rope_theta,
+            rms_norm_eps: cfg.rms_norm_eps,
+            tie_word_embeddings: self.head.is_none(),
+            weight_mode: mode,
+            weight_bytes,
+        }
+    }
+
     /// Whether every layer matrix is stored as Q4_1 (see [`WeightMode::auto_for`]).
     pub(crate) fn layers_q4_1(&self) -> bool {
         self.layers.iter().all(|l| {
@@ -397,22 +419,7 @@ impl DecoderWeights {
                 _ => 0,
             }
             + 4 * self.norm.len();
-        let info = ModelInfo {
-            architecture: cfg.features.arch.into(),
-            num_layers: cfg.num_layers,
-            hidden_size: cfg.hidden_size,
-            intermediate_size: cfg.intermediate_size,
-            num_heads: cfg.num_heads,
-            num_kv_heads: cfg.num_kv_heads,
-            head_dim: cfg.head_dim,
-            vocab_size: cfg.vocab_size,
-            max_position_embeddings: cfg.max_position_embeddings,
-            rope_theta: cfg.rope_theta,
-            rms_norm_eps: cfg.rms_norm_eps,
-            tie_word_embeddings: self.head.is_none(),
-            weight_mode: mode,
-            weight_bytes,
-        };
+        let info = self.model_info(mode, weight_bytes);
         let scale = cfg.features.attn_scale.unwrap_or(1.0 / (hd as f32).sqrt());
         let attn: Vec<AttentionParams> = layer_range
             .clone()

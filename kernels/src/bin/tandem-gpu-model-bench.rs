@@ -13,7 +13,7 @@ use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{result, CudaEvent, DevicePtr};
 use tandem_kernels::cuda::{
     Blas, CudaChecksums, DecoderShape, Device, DeviceKvCache, GpuDecoder, KvArrangement, Output,
-    StepInput, Weights,
+    OwnedStep, Weights,
 };
 use tandem_kv_cache::{BlockLayout, CacheDtype};
 use tandem_kv_checksum::{BlockJob, GroupJob, LayerJob};
@@ -88,48 +88,17 @@ struct Seq {
     len: usize,
 }
 
-/// The flattened inputs of one step in which each sequence adds `counts[i]` tokens.
-#[derive(Default)]
-struct Step {
-    ids: Vec<u32>,
-    pos: Vec<u32>,
-    slots: Vec<u32>,
-    ctx: Vec<u32>,
-    off: Vec<u32>,
-    tables: Vec<u32>,
-    rows: Vec<u32>,
-}
-
-impl Step {
-    fn new(seqs: &[&Seq], counts: &[usize], vocab: usize) -> Step {
-        let mut s = Step::default();
-        for (seq, &count) in seqs.iter().zip(counts) {
-            let start = s.tables.len() as u32;
-            s.tables.extend_from_slice(&seq.table);
-            for i in seq.len..seq.len + count {
-                s.ids.push(((i * 7919) % vocab) as u32);
-                s.pos.push(i as u32);
-                s.slots
-                    .push(seq.table[i / BLOCK] * BLOCK as u32 + (i % BLOCK) as u32);
-                s.ctx.push(i as u32);
-                s.off.push(start);
-            }
-            s.rows.push(s.ids.len() as u32 - 1);
-        }
-        s
+/// One step in which each sequence adds `counts[i]` tokens (token ids a fixed function of the
+/// position).
+fn step(seqs: &[&Seq], counts: &[usize], vocab: usize) -> OwnedStep {
+    let mut s = OwnedStep::default();
+    for (seq, &count) in seqs.iter().zip(counts) {
+        let ids: Vec<u32> = (seq.len..seq.len + count)
+            .map(|i| ((i * 7919) % vocab) as u32)
+            .collect();
+        s.push_sequence(&seq.table, BLOCK, seq.len, &ids);
     }
-
-    fn input(&self) -> StepInput<'_> {
-        StepInput {
-            token_ids: &self.ids,
-            positions: &self.pos,
-            slots: &self.slots,
-            ctx_idx: &self.ctx,
-            table_off: &self.off,
-            tables: &self.tables,
-            logits_rows: &self.rows,
-        }
-    }
+    s
 }
 
 fn event(dev: &Device) -> Res<CudaEvent> {
@@ -224,7 +193,7 @@ fn run(args: &Args) -> Res<()> {
     for seq in seqs.iter_mut() {
         while seq.len < args.ctx {
             let n = (args.ctx - seq.len).min(max_tokens);
-            dec.enqueue_step(&Step::new(&[seq], &[n], shape.vocab).input())?;
+            dec.enqueue_step(&step(&[seq], &[n], shape.vocab).input())?;
             seq.len += n;
         }
     }
@@ -234,22 +203,22 @@ fn run(args: &Args) -> Res<()> {
     for batch in [1, args.batch] {
         let group: Vec<&Seq> = seqs[..batch].iter().collect();
         let ones = vec![1; batch];
-        let step = Step::new(&group, &ones, shape.vocab);
+        let decode = step(&group, &ones, shape.vocab);
         // The same step again and again (rewrites the same slots): a steady-state decode step.
         let eager = time_each(&dev, args.steps, &mut || {
-            dec.enqueue_step(&step.input())?;
+            dec.enqueue_step(&decode.input())?;
             Ok(())
         })?;
-        let graph = dec.capture(&step.input())?;
+        let graph = dec.capture(&decode.input())?;
         let graphed = time_each(&dev, args.steps, &mut || {
-            dec.replay_queued(&graph, &step.input())?;
+            dec.replay_queued(&graph, &decode.input())?;
             Ok(())
         })?;
         // Back to back, as an engine runs them: wall time per step, logits copied to the host.
         let wall = {
             let t = Instant::now();
             for _ in 0..args.steps {
-                dec.replay(&graph, &step.input())?;
+                dec.replay(&graph, &decode.input())?;
             }
             t.elapsed().as_secs_f64() * 1e3 / args.steps as f64
         };
@@ -333,12 +302,12 @@ fn run(args: &Args) -> Res<()> {
         let mut logits = Vec::new();
         while prefill.len < args.prefill {
             let n = (args.prefill - prefill.len).min(args.chunk);
-            let step = Step::new(&[&prefill], &[n], shape.vocab);
+            let chunk = step(&[&prefill], &[n], shape.vocab);
             let last = prefill.len + n == args.prefill;
             if last {
-                logits = dec.forward(&step.input())?;
+                logits = dec.forward(&chunk.input())?;
             } else {
-                dec.enqueue_step(&step.input())?;
+                dec.enqueue_step(&chunk.input())?;
             }
             if with_checksums {
                 let done = stream.record_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING))?;

@@ -149,6 +149,48 @@ pub struct StepInput<'a> {
     pub logits_rows: &'a [u32],
 }
 
+/// A step's arrays, owned ([`StepInput`] is their view).
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct OwnedStep {
+    pub token_ids: Vec<u32>,
+    pub positions: Vec<u32>,
+    pub slots: Vec<u32>,
+    pub ctx_idx: Vec<u32>,
+    pub table_off: Vec<u32>,
+    pub tables: Vec<u32>,
+    pub logits_rows: Vec<u32>,
+}
+
+impl OwnedStep {
+    pub fn input(&self) -> StepInput<'_> {
+        StepInput {
+            token_ids: &self.token_ids,
+            positions: &self.positions,
+            slots: &self.slots,
+            ctx_idx: &self.ctx_idx,
+            table_off: &self.table_off,
+            tables: &self.tables,
+            logits_rows: &self.logits_rows,
+        }
+    }
+
+    /// Appends one sequence's rows: tokens `ids` at cache indices (and positions) `first..`, its
+    /// block table `table` of `block_size`-token blocks, and a logits row for its last row.
+    pub fn push_sequence(&mut self, table: &[u32], block_size: usize, first: usize, ids: &[u32]) {
+        let off = self.tables.len() as u32;
+        self.tables.extend_from_slice(table);
+        for (i, &id) in (first..).zip(ids) {
+            self.token_ids.push(id);
+            self.positions.push(i as u32);
+            self.slots
+                .push(table[i / block_size] * block_size as u32 + (i % block_size) as u32);
+            self.ctx_idx.push(i as u32);
+            self.table_off.push(off);
+        }
+        self.logits_rows.push(self.token_ids.len() as u32 - 1);
+    }
+}
+
 struct Layer {
     attn_norm: u64,
     ffn_norm: u64,
@@ -931,81 +973,55 @@ mod tests {
     use super::*;
     use tandem_kv_cache::{BlockLayout, CacheDtype};
 
-    struct Owned {
-        ids: Vec<u32>,
-        pos: Vec<u32>,
-        slots: Vec<u32>,
-        ctx: Vec<u32>,
-        off: Vec<u32>,
-        tables: Vec<u32>,
-        rows: Vec<u32>,
+    /// Two rows of one sequence in block 1 of a cache of 8 blocks of 16.
+    fn good() -> OwnedStep {
+        let mut s = OwnedStep::default();
+        s.push_sequence(&[1], 16, 0, &[1, 2]);
+        s
     }
 
-    impl Owned {
-        /// Two rows of one sequence in block 1 of a cache of 8 blocks of 16.
-        fn good() -> Self {
-            Owned {
-                ids: vec![1, 2],
-                pos: vec![0, 1],
-                slots: vec![16, 17],
-                ctx: vec![0, 1],
-                off: vec![0, 0],
-                tables: vec![1],
-                rows: vec![1],
-            }
-        }
-
-        fn check(&self) -> Result<(), KernelError> {
-            let mut shape = DecoderShape::llama_8b();
-            shape.vocab = 300;
-            shape.max_positions = 4096;
-            let layout = BlockLayout::token_major(8, 16, 8, 128, CacheDtype::Bf16);
-            check_step(
-                &StepInput {
-                    token_ids: &self.ids,
-                    positions: &self.pos,
-                    slots: &self.slots,
-                    ctx_idx: &self.ctx,
-                    table_off: &self.off,
-                    tables: &self.tables,
-                    logits_rows: &self.rows,
-                },
-                &shape,
-                &layout,
-                16,
-            )
-        }
+    fn check(s: &OwnedStep) -> Result<(), KernelError> {
+        let mut shape = DecoderShape::llama_8b();
+        shape.vocab = 300;
+        shape.max_positions = 4096;
+        let layout = BlockLayout::token_major(8, 16, 8, 128, CacheDtype::Bf16);
+        check_step(&s.input(), &shape, &layout, 16)
     }
 
     #[test]
     fn a_step_that_would_reach_outside_a_buffer_is_refused() {
-        assert!(Owned::good().check().is_ok());
-        type Breaker = fn(&mut Owned);
+        let g = good();
+        assert_eq!(
+            (g.slots.as_slice(), g.logits_rows.as_slice()),
+            (&[16, 17][..], &[1][..])
+        );
+        assert!(check(&g).is_ok());
+        type Breaker = fn(&mut OwnedStep);
         let cases: [(&str, Breaker); 9] = [
-            ("token id", |s| s.ids[0] = 300),
+            ("token id", |s| s.token_ids[0] = 300),
             ("slot", |s| s.slots[1] = 8 * 16),
             ("block", |s| s.tables[0] = 8),
-            ("table coverage", |s| s.ctx[1] = 16),
-            ("table offset", |s| s.off[1] = 1),
-            ("logits row", |s| s.rows[0] = 2),
-            ("position", |s| s.pos[0] = 4096),
-            ("row count", |s| s.pos.push(2)),
+            ("table coverage", |s| s.ctx_idx[1] = 16),
+            ("table offset", |s| s.table_off[1] = 1),
+            ("logits row", |s| s.logits_rows[0] = 2),
+            ("position", |s| s.positions[0] = 4096),
+            ("row count", |s| s.positions.push(2)),
             ("too many rows", |s| {
-                s.ids = vec![1; 17];
-                s.pos = vec![0; 17];
+                s.token_ids = vec![1; 17];
+                s.positions = vec![0; 17];
                 s.slots = vec![16; 17];
-                s.ctx = vec![0; 17];
-                s.off = vec![0; 17];
+                s.ctx_idx = vec![0; 17];
+                s.table_off = vec![0; 17];
             }),
         ];
         for (what, brk) in cases {
-            let mut s = Owned::good();
+            let mut s = good();
             brk(&mut s);
-            assert!(s.check().is_err(), "a bad {what} was accepted");
+            assert!(check(&s).is_err(), "a bad {what} was accepted");
         }
-        let mut empty = Owned::good();
-        empty.ids.clear();
-        assert!(empty.check().is_err(), "an empty step");
+        let mut empty = good();
+        empty.token_ids.clear();
+        assert!(check(&empty).is_err(), "an empty step");
     }
 
     #[test]

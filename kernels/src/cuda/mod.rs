@@ -18,7 +18,8 @@ pub use blas::{Blas, Output};
 pub use checksum::{CudaBackend, CudaChecksums, PendingChecksums, MAX_BLOCKS_PER_LAUNCH};
 pub use cudarc::driver::CudaEvent;
 pub use decoder::{
-    bf16_bits, bf16_to_f32, DecoderShape, GpuDecoder, StepInput, Tensor, Weights, MAX_GROUP,
+    bf16_bits, bf16_to_f32, DecoderShape, GpuDecoder, OwnedStep, StepInput, Tensor, Weights,
+    MAX_GROUP,
 };
 pub use kv_cache::{DeviceKvCache, DeviceLayer, KvArrangement};
 

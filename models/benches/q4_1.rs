@@ -2,7 +2,8 @@
 //! is noisy: compare the ratio): SmolLM2-135M's MLP shapes at batch 1 and 16, f32 inputs
 //! (`--dtype native`) and inputs quantized to 8 bits (`--dtype native-i8`, quantization
 //! included; with and without VNNI where the CPU has it), each instruction-set variant this
-//! CPU runs.
+//! CPU runs, and on AMX tiles (`--dtype native-amx`) where the CPU has AMX-INT8; batch 128 as
+//! a prefill chunk.
 //!
 //! ```text
 //! RAYON_NUM_THREADS=2 cargo bench -p tandem-models --bench q4_1
@@ -11,7 +12,7 @@
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use std::hint::black_box;
 use tandem_models::cpu::{set_vnni_allowed, vnni_for, Isa, Vnni};
-use tandem_models::quant::{Q4_1Matrix, Q8Rows};
+use tandem_models::quant::{amx_available, AmxQ4_1Matrix, Q4_1Matrix, Q8Rows};
 
 /// A `[rows, cols]` matrix of pseudo-random blocks (scales ~0.02, minimums ~-0.1).
 fn matrix(rows: usize, cols: usize) -> Q4_1Matrix {
@@ -46,8 +47,15 @@ fn bench(c: &mut Criterion) {
                 black_box(&mut dst);
             })
         });
-        for m in [1usize, 16] {
+        let amx = amx_available().then(|| AmxQ4_1Matrix::new(&w));
+        for m in [1usize, 16, 128] {
             let x: Vec<f32> = (0..m * cols).map(|i| (i as f32 * 0.37).sin()).collect();
+            if let Some(amx) = &amx {
+                Isa::set_active(Isa::Avx512).expect("AMX CPUs run AVX-512");
+                g.bench_with_input(BenchmarkId::new("i8-amx", m), &x, |b, x| {
+                    b.iter(|| black_box(amx.matmul_q8(&Q8Rows::quantize(x, cols))))
+                });
+            }
             for isa in Isa::runnable() {
                 g.bench_with_input(
                     BenchmarkId::new(format!("f32@{}", isa.name()), m),

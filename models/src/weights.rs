@@ -36,6 +36,11 @@
 //!   instructions per weight of the f32 kernel, so batch-1 decode reads weights at close to the
 //!   memory's rate (BENCHMARKS.md); the activation rounding moves it a little further from f32
 //!   than `Native` (models/tests/weight_modes.rs prints its KL).
+//! - `NativeAmx`: `NativeI8`'s 8-bit inputs and the file's Q4_1 weights multiplied on AMX tiles
+//!   (`quant/amx.rs`: one `tdpbssd` per 16 weight rows, 16 input rows and 32-value block), where
+//!   the CPU has AMX-INT8 (Sapphire Rapids and later) and Linux grants its tile state; refused
+//!   at load elsewhere. Its f32 sums run in another order than `NativeI8`'s (the same exact
+//!   integer block sums), so the two differ in the last bits; Q8_0 matrices as in `NativeI8`.
 //!
 //! Invariant: a `Linear` computes every input row independently of the other rows (padding,
 //! rotation and activation quantization are per row; the Q4_1 kernel sums every output in one
@@ -51,7 +56,7 @@ use candle_core::{Device, Module, Tensor};
 use crate::cpu::Isa;
 use crate::error::ModelError;
 use crate::ops::{rotate_blocks, unrotate_blocks, HADAMARD_BLOCK};
-use crate::quant::{Q4_1Matrix, Q8Rows, Q8_0Matrix};
+use crate::quant::{amx_available, AmxQ4_1Matrix, Q4_1Matrix, Q8Rows, Q8_0Matrix};
 
 /// How weights are held in memory. See the module docs; `--dtype auto` picks one per CPU and
 /// file with [`WeightMode::auto_for`].
@@ -73,19 +78,23 @@ pub enum WeightMode {
     /// the f32 kernel, so the fastest batch-1 decode on the CPU; a little further from f32 than
     /// `Native` (module docs). Other matrices as in `Native`.
     NativeI8,
+    /// `NativeI8` with the Q4_1 matmuls on AMX tiles (module docs): batches and prefill chunks
+    /// several times faster than `NativeI8` (BENCHMARKS.md); only on CPUs with AMX-INT8.
+    NativeAmx,
     /// Matrices in bf16 in a GPU's memory (the GPU decoder, `--device cuda`); the CPU decoder
     /// refuses it.
     Bf16,
 }
 
 impl WeightMode {
-    /// Parses `f32`, `q8_0`/`q8`, `native`/`gguf`, `native-i8`.
+    /// Parses `f32`, `q8_0`/`q8`, `native`/`gguf`, `native-i8`, `native-amx`, `bf16`.
     pub fn parse(s: &str) -> Option<Self> {
         match s.to_ascii_lowercase().as_str() {
             "f32" | "float32" => Some(WeightMode::F32),
             "q8_0" | "q8" => Some(WeightMode::Q8_0),
             "native" | "gguf" => Some(WeightMode::Native),
             "native-i8" | "native_i8" => Some(WeightMode::NativeI8),
+            "native-amx" | "native_amx" => Some(WeightMode::NativeAmx),
             "bf16" | "bfloat16" => Some(WeightMode::Bf16),
             _ => None,
         }
@@ -118,6 +127,7 @@ impl WeightMode {
             WeightMode::Q8_0 => "q8_0",
             WeightMode::Native => "native",
             WeightMode::NativeI8 => "native-i8",
+            WeightMode::NativeAmx => "native-amx",
             WeightMode::Bf16 => "bf16",
         }
     }
@@ -333,9 +343,19 @@ impl HostMatrix {
     /// Builds the forward-pass form of this matrix.
     pub fn into_linear(self, mode: WeightMode) -> Result<Linear, ModelError> {
         let (rows, cols) = (self.rows, self.cols);
-        // `NativeI8` differs from `Native` only in how Q4_1 matrices take their inputs
-        let (mode, i8_inputs) = match mode {
-            WeightMode::NativeI8 => (WeightMode::Native, true),
+        // `NativeI8` and `NativeAmx` differ from `Native` only in how Q4_1 matrices take their
+        // inputs and which kernel multiplies them
+        let (mode, i8_inputs, amx) = match mode {
+            WeightMode::NativeI8 => (WeightMode::Native, true, false),
+            WeightMode::NativeAmx if !amx_available() => {
+                return Err(ModelError::Unsupported(
+                    "--dtype native-amx needs a CPU with AMX-INT8 (Intel Sapphire Rapids or \
+                     later), the Linux tile-state grant, and Tandem's AVX-512 kernels (no \
+                     TANDEM_CPU_ISA cap below avx512); use native-i8 or auto"
+                        .into(),
+                ))
+            }
+            WeightMode::NativeAmx => (WeightMode::Native, true, true),
             WeightMode::Bf16 => {
                 return Err(ModelError::Unsupported(
                     "bf16 weights run on a GPU (--device cuda); on the CPU use f32, q8_0, \
@@ -343,7 +363,7 @@ impl HostMatrix {
                         .into(),
                 ))
             }
-            mode => (mode, false),
+            mode => (mode, false, false),
         };
         let weight = match (mode, self.data) {
             (WeightMode::F32, data) | (WeightMode::Native, data @ MatData::F32(_)) => {
@@ -356,6 +376,15 @@ impl HostMatrix {
                 };
                 Weight::F32(Tensor::from_vec(v, (rows, cols), &Device::Cpu)?)
             }
+            (
+                WeightMode::Native,
+                MatData::Quant {
+                    dtype: GgmlDType::Q4_1,
+                    bytes,
+                },
+            ) if amx => Weight::AmxQ4_1(Arc::new(AmxQ4_1Matrix::new(&Q4_1Matrix::new(
+                rows, cols, bytes,
+            )?))),
             (
                 WeightMode::Native,
                 MatData::Quant {
@@ -418,7 +447,9 @@ impl HostMatrix {
                 q: Arc::new(quant_tensor(dtype, &bytes, rows, cols)?),
                 rotated: false,
             },
-            (WeightMode::NativeI8 | WeightMode::Bf16, _) => unreachable!("handled above"),
+            (WeightMode::NativeI8 | WeightMode::NativeAmx | WeightMode::Bf16, _) => {
+                unreachable!("handled above")
+            }
         };
         Ok(Linear {
             weight,
@@ -459,8 +490,10 @@ enum Weight {
     /// inputs or, `i8_inputs`, inputs quantized to 8 bits ([`Q8Rows`]).
     Q4_1 { w: Arc<Q4_1Matrix>, i8_inputs: bool },
     /// `[out, in]` Q8_0 as stored, multiplied by our integer kernel with inputs quantized to 8
-    /// bits (`NativeI8`).
+    /// bits (`NativeI8`, `NativeAmx`).
     Q8_0(Arc<Q8_0Matrix>),
+    /// Q4_1 regrouped for AMX tiles, inputs quantized to 8 bits (`NativeAmx`).
+    AmxQ4_1(Arc<AmxQ4_1Matrix>),
 }
 
 /// `y = x Wᵀ` for a weight `W` of `[out_dim, in_dim]`.
@@ -475,7 +508,9 @@ impl Linear {
     /// The width the weight is stored with (`in_dim` or padded).
     fn stored_in_dim(&self) -> usize {
         match &self.weight {
-            Weight::F32(_) | Weight::Q4_1 { .. } | Weight::Q8_0(_) => self.in_dim,
+            Weight::F32(_) | Weight::Q4_1 { .. } | Weight::Q8_0(_) | Weight::AmxQ4_1(_) => {
+                self.in_dim
+            }
             Weight::Quant { q, .. } => q.shape().dims()[1],
         }
     }
@@ -487,6 +522,7 @@ impl Linear {
             Weight::Quant { q, .. } => q.storage_size_in_bytes(),
             Weight::Q4_1 { w, .. } => w.size_in_bytes(),
             Weight::Q8_0(w) => w.size_in_bytes(),
+            Weight::AmxQ4_1(w) => w.size_in_bytes(),
         }
     }
 
@@ -504,6 +540,9 @@ impl Linear {
             });
         }
         if let Weight::Q8_0(w) = &self.weight {
+            return Ok(w.matmul_q8(&Q8Rows::quantize(x, self.in_dim)));
+        }
+        if let Weight::AmxQ4_1(w) = &self.weight {
             return Ok(w.matmul_q8(&Q8Rows::quantize(x, self.in_dim)));
         }
         let k = self.stored_in_dim();
@@ -525,7 +564,9 @@ impl Linear {
                 let xt = Tensor::from_vec(input, (m, k), &Device::Cpu)?;
                 QMatMul::QTensor(q.clone()).forward(&xt)?
             }
-            Weight::Q4_1 { .. } | Weight::Q8_0(_) => unreachable!("returned above"),
+            Weight::Q4_1 { .. } | Weight::Q8_0(_) | Weight::AmxQ4_1(_) => {
+                unreachable!("returned above")
+            }
         };
         Ok(y.flatten_all()?.to_vec1()?)
     }
@@ -545,6 +586,7 @@ impl Linear {
             Weight::Quant { q, rotated } => (q.embedding(&idx)?, *rotated),
             Weight::Q4_1 { w, .. } => return Ok(w.dequantize_rows(ids)),
             Weight::Q8_0(w) => return Ok(w.dequantize_rows(ids)),
+            Weight::AmxQ4_1(w) => return Ok(w.dequantize_rows(ids)),
         };
         let k = self.stored_in_dim();
         let mut v: Vec<f32> = rows.flatten_all()?.to_vec1()?;
@@ -610,7 +652,16 @@ mod tests {
             WeightMode::Q8_0,
             WeightMode::Native,
             WeightMode::NativeI8,
+            WeightMode::NativeAmx,
         ] {
+            if mode == WeightMode::NativeAmx && !amx_available() {
+                let err = m.clone().into_linear(mode).unwrap_err().to_string();
+                assert!(
+                    err.contains("native-amx needs a CPU with AMX-INT8"),
+                    "{err}"
+                );
+                continue;
+            }
             let lin = m.clone().into_linear(mode).unwrap();
             let got = lin.forward(&x, 3).unwrap();
             // Q8_0: weights and (rotated, per-256) activations quantized to 8 bits

@@ -138,7 +138,12 @@ fn every_weight_mode_and_cache_dtype_predicts_like_the_reference() {
         WeightMode::Q8_0,
         WeightMode::Native,
         WeightMode::NativeI8,
+        WeightMode::NativeAmx,
     ] {
+        if mode == WeightMode::NativeAmx && !tandem_models::quant::amx_available() {
+            eprintln!("native-amx: this CPU has no AMX-INT8; not compared");
+            continue;
+        }
         let Some(m) = common::load(mode) else {
             return;
         };

@@ -138,7 +138,7 @@ pub fn build_instance(
     let weights = match args.dtype.as_str() {
         "auto" => None,
         other => Some(WeightMode::parse(other).with_context(|| {
-            format!("--dtype `{other}`: expected auto, f32, q8_0, native, native-i8 or bf16")
+            format!("--dtype `{other}`: expected auto, f32, q8_0, native, native-i8, native-amx or bf16")
         })?),
     };
     if args.block_size == 0 || args.block_size > 1024 {

@@ -27,10 +27,12 @@ use half::f16;
 use crate::cpu::Isa;
 use crate::error::ModelError;
 
+mod amx;
 mod int8;
 #[cfg(target_arch = "x86_64")]
 mod int8_forms;
 mod q8_0;
+pub use amx::{amx_available, AmxQ4_1Matrix};
 pub use int8::Q8Rows;
 pub use q8_0::Q8_0Matrix;
 

@@ -2,6 +2,7 @@
 # CPU forward side by side with llama.cpp, in one run: Tandem's `bench_model` example on the
 # default model's Q4_1 GGUF (`native` / `native-i8`: our Q4_1 kernel with f32 / 8-bit inputs in
 # each instruction-set variant this CPU runs, and native-i8 without VNNI where the CPU has it;
+# `native-amx`: the same 8-bit inputs on AMX tiles, where the CPU has AMX-INT8;
 # `q8_0`: the default weight mode) and llama.cpp through llama-cpp-python on the same file,
 # prompt (200 tokens) and decode steps, 2 threads each, ROUNDS rounds interleaved (the machine is
 # noisy: compare within a round).
@@ -33,6 +34,8 @@ flags = open("/proc/cpuinfo").read()
 have = lambda *f: all(re.search(rf"\b{x}\b", flags) for x in f)
 v = []
 if have("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"):
+    if have("amx_tile", "amx_int8"):
+        v += ["native-amx@avx512"]
     v += ["native@avx512", "native-i8@avx512"]
     if have("avx512_vnni"):
         v += ["native-i8@avx512-novnni"]

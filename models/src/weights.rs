@@ -40,7 +40,8 @@
 //!   (`quant/amx.rs`: one `tdpbssd` per 16 weight rows, 16 input rows and 32-value block), where
 //!   the CPU has AMX-INT8 (Sapphire Rapids and later) and Linux grants its tile state; refused
 //!   at load elsewhere. Its f32 sums run in another order than `NativeI8`'s (the same exact
-//!   integer block sums), so the two differ in the last bits; Q8_0 matrices as in `NativeI8`.
+//!   integer block sums), so the two differ in the last bits; Q8_0 matrices (the tied
+//!   embedding / lm_head) run on AMX tiles too.
 //!
 //! Invariant: a `Linear` computes every input row independently of the other rows (padding,
 //! rotation and activation quantization are per row; the Q4_1 kernel sums every output in one
@@ -56,7 +57,7 @@ use candle_core::{Device, Module, Tensor};
 use crate::cpu::Isa;
 use crate::error::ModelError;
 use crate::ops::{rotate_blocks, unrotate_blocks, HADAMARD_BLOCK};
-use crate::quant::{amx_available, AmxQ4_1Matrix, Q4_1Matrix, Q8Rows, Q8_0Matrix};
+use crate::quant::{amx_available, AmxQ4_1Matrix, AmxQ8_0Matrix, Q4_1Matrix, Q8Rows, Q8_0Matrix};
 
 /// How weights are held in memory. See the module docs; `--dtype auto` picks one per CPU and
 /// file with [`WeightMode::auto_for`].
@@ -101,7 +102,10 @@ impl WeightMode {
     }
     /// The mode `--dtype auto` runs on this CPU for a model whose layer matrices are all Q4_1
     /// (`layers_q4_1`) or not:
-    /// - `Q8_0` where candle's tiled Q8_0 kernels run: AVX512-VNNI, in the AVX-512 variant that
+    /// - `NativeAmx` for Q4_1 matrices where the AMX kernels run ([`amx_available`]): on a
+    ///   Sapphire Rapids Xeon 1.3–1.5x `Q8_0`'s prefill, 1.1x its batch-1 decode and 1.3–1.4x
+    ///   its batch-16 decode (BENCHMARKS.md);
+    /// - else `Q8_0` where candle's tiled Q8_0 kernels run: AVX512-VNNI, in the AVX-512 variant that
     ///   [`Isa::active`] picks, with VNNI allowed (`TANDEM_CPU_VNNI`). Without those tiles every
     ///   row runs candle's untiled dot product, which does not batch;
     /// - else `NativeI8` for Q4_1 matrices on AVX2 or better: our integer kernel (on an
@@ -112,7 +116,9 @@ impl WeightMode {
     /// `auto` choose what an AVX2-only CPU gets.
     pub fn auto_for(layers_q4_1: bool) -> WeightMode {
         let isa = Isa::active();
-        if isa == Isa::Avx512 && crate::cpu::vnni_for(isa) == crate::cpu::Vnni::Evex {
+        if layers_q4_1 && amx_available() {
+            WeightMode::NativeAmx
+        } else if isa == Isa::Avx512 && crate::cpu::vnni_for(isa) == crate::cpu::Vnni::Evex {
             WeightMode::Q8_0
         } else if layers_q4_1 && isa >= Isa::Avx2 {
             WeightMode::NativeI8
@@ -403,6 +409,15 @@ impl HostMatrix {
                     dtype: GgmlDType::Q8_0,
                     bytes,
                 },
+            ) if amx => Weight::AmxQ8_0(Arc::new(AmxQ8_0Matrix::new(&Q8_0Matrix::new(
+                rows, cols, bytes,
+            )?))),
+            (
+                WeightMode::Native,
+                MatData::Quant {
+                    dtype: GgmlDType::Q8_0,
+                    bytes,
+                },
             ) if i8_inputs => Weight::Q8_0(Arc::new(Q8_0Matrix::new(rows, cols, bytes)?)),
             // Q8_0 matrices of a native file (SmolLM2's tied embedding / lm_head) take the Q8_0
             // mode's padded, rotated form: as stored (576 wide) candle runs them untiled.
@@ -494,6 +509,8 @@ enum Weight {
     Q8_0(Arc<Q8_0Matrix>),
     /// Q4_1 regrouped for AMX tiles, inputs quantized to 8 bits (`NativeAmx`).
     AmxQ4_1(Arc<AmxQ4_1Matrix>),
+    /// Q8_0 regrouped for AMX tiles, inputs quantized to 8 bits (`NativeAmx`).
+    AmxQ8_0(Arc<AmxQ8_0Matrix>),
 }
 
 /// `y = x Wᵀ` for a weight `W` of `[out_dim, in_dim]`.
@@ -508,9 +525,11 @@ impl Linear {
     /// The width the weight is stored with (`in_dim` or padded).
     fn stored_in_dim(&self) -> usize {
         match &self.weight {
-            Weight::F32(_) | Weight::Q4_1 { .. } | Weight::Q8_0(_) | Weight::AmxQ4_1(_) => {
-                self.in_dim
-            }
+            Weight::F32(_)
+            | Weight::Q4_1 { .. }
+            | Weight::Q8_0(_)
+            | Weight::AmxQ4_1(_)
+            | Weight::AmxQ8_0(_) => self.in_dim,
             Weight::Quant { q, .. } => q.shape().dims()[1],
         }
     }
@@ -523,6 +542,7 @@ impl Linear {
             Weight::Q4_1 { w, .. } => w.size_in_bytes(),
             Weight::Q8_0(w) => w.size_in_bytes(),
             Weight::AmxQ4_1(w) => w.size_in_bytes(),
+            Weight::AmxQ8_0(w) => w.size_in_bytes(),
         }
     }
 
@@ -545,6 +565,9 @@ impl Linear {
         if let Weight::AmxQ4_1(w) = &self.weight {
             return Ok(w.matmul_q8(&Q8Rows::quantize(x, self.in_dim)));
         }
+        if let Weight::AmxQ8_0(w) = &self.weight {
+            return Ok(w.matmul_q8(&Q8Rows::quantize(x, self.in_dim)));
+        }
         let k = self.stored_in_dim();
         let mut input = if k == self.in_dim {
             x.to_vec()
@@ -564,7 +587,7 @@ impl Linear {
                 let xt = Tensor::from_vec(input, (m, k), &Device::Cpu)?;
                 QMatMul::QTensor(q.clone()).forward(&xt)?
             }
-            Weight::Q4_1 { .. } | Weight::Q8_0(_) | Weight::AmxQ4_1(_) => {
+            Weight::Q4_1 { .. } | Weight::Q8_0(_) | Weight::AmxQ4_1(_) | Weight::AmxQ8_0(_) => {
                 unreachable!("returned above")
             }
         };
@@ -587,6 +610,7 @@ impl Linear {
             Weight::Q4_1 { w, .. } => return Ok(w.dequantize_rows(ids)),
             Weight::Q8_0(w) => return Ok(w.dequantize_rows(ids)),
             Weight::AmxQ4_1(w) => return Ok(w.dequantize_rows(ids)),
+            Weight::AmxQ8_0(w) => return Ok(w.dequantize_rows(ids)),
         };
         let k = self.stored_in_dim();
         let mut v: Vec<f32> = rows.flatten_all()?.to_vec1()?;
@@ -607,15 +631,24 @@ mod tests {
     use super::*;
 
     #[test]
-    fn auto_picks_native_i8_for_q4_1_files_where_candle_has_no_vnni_tiles() {
+    fn auto_picks_amx_then_candle_tiles_then_native_i8_for_q4_1_files() {
         use crate::cpu::{on_this_thread, vnni_for, Vnni};
         for isa in Isa::runnable() {
-            let (q4_1, other) = on_this_thread(isa, || {
-                (WeightMode::auto_for(true), WeightMode::auto_for(false))
+            let (q4_1, other, amx) = on_this_thread(isa, || {
+                (
+                    WeightMode::auto_for(true),
+                    WeightMode::auto_for(false),
+                    amx_available(),
+                )
             });
             assert_eq!(other, WeightMode::Q8_0, "{isa:?}: a file other than Q4_1");
             let tiles = isa == Isa::Avx512 && vnni_for(isa) == Vnni::Evex;
+            assert!(
+                !amx || isa == Isa::Avx512,
+                "AMX kernels in the {isa:?} variant"
+            );
             let want = match isa {
+                _ if amx => WeightMode::NativeAmx,
                 Isa::Portable => WeightMode::Q8_0,
                 _ if tiles => WeightMode::Q8_0,
                 _ => WeightMode::NativeI8,

@@ -33,9 +33,10 @@ pub struct ServeArgs {
     pub host: Option<String>,
     #[arg(long, env = "TANDEM_PORT", default_value_t = 8000)]
     pub port: u16,
-    /// Weight mode: `auto` (the fastest measured for this CPU and file: `q8_0` with
-    /// AVX512-VNNI, `native-i8` for Q4_1 files on other AVX2 CPUs), `f32` (everything
-    /// dequantized: the accuracy mode), `q8_0`, `native` or `native-i8`.
+    /// Weight mode: `auto` (the fastest measured for this CPU and file: `native-amx` for Q4_1
+    /// files with AMX-INT8, else `q8_0` with AVX512-VNNI, `native-i8` for Q4_1 files on other
+    /// AVX2 CPUs), `f32` (everything dequantized: the accuracy mode), `q8_0`, `native`,
+    /// `native-i8`, `native-amx` (AMX CPUs only) or `bf16` (`--device cuda`).
     #[arg(long, env = "TANDEM_DTYPE", default_value = "auto")]
     pub dtype: String,
     /// Tensor-parallel size: workers (threads of this process) that each hold a slice of every

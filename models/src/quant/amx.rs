@@ -1,8 +1,12 @@
-//! The Q4_1 matmul on AMX tiles (`--dtype native-amx`): 8-bit activations ([`Q8Rows`]) times
-//! the file's 4-bit weights by `tdpbssd`, 16 weight rows by up to 16 input rows by one 32-value
-//! block per instruction, where the CPU has AMX-INT8 and Linux grants its tile state.
+//! The Q4_1 and Q8_0 matmuls on AMX tiles (`--dtype native-amx`): 8-bit activations
+//! ([`Q8Rows`]) times the file's 4- or 8-bit weights by `tdpbssd`, 16 weight rows by up to 16
+//! input rows by one 32-value block per instruction, where the CPU has AMX-INT8 and Linux
+//! grants its tile state.
 //!
-//! - Layout ([`AmxQ4_1Matrix`]): the file's blocks regrouped, same bytes per weight. Rows are
+//! - Q8_0 ([`AmxQ8_0Matrix`], SmolLM2's tied embedding / lm_head): per group and block the 16
+//!   rows' f16 scales, then the block's B tile as is (byte `kk * 64 + r * 4 + i` is row `r`'s
+//!   value `4 * kk + i`), which the kernel loads straight from the matrix; no minimum term.
+//! - Q4_1 layout ([`AmxQ4_1Matrix`]): the file's blocks regrouped, same bytes per weight. Rows are
 //!   taken 16 at a time (a *group*; the last one padded with zero rows); per group and block:
 //!   the 16 rows' f16 scales `d`, their 16 f16 minimums `m`, then the 16 rows' 16 nibble bytes
 //!   in the order of an AMX B tile: byte `kk * 64 + r * 4 + i` is row `r`'s file byte
@@ -30,7 +34,7 @@
 use std::sync::OnceLock;
 
 use super::int8::Q8View;
-use super::{OutPtr, Q4_1Matrix, BLOCK_BYTES, QK};
+use super::{OutPtr, Q4_1Matrix, Q8_0Matrix, BLOCK_BYTES, QK};
 use crate::cpu::Isa;
 use crate::quant::Q8Rows;
 
@@ -38,9 +42,7 @@ use crate::quant::Q8Rows;
 const GROUP_ROWS: usize = 16;
 /// Input rows per tile: the 16 rows of an A tile.
 const TILE_INPUTS: usize = 16;
-/// Bytes per group and block: 16 f16 `d`, 16 f16 `m`, 256 nibble bytes.
-const GROUP_BLOCK_BYTES: usize = 32 + 32 + 256;
-/// Bytes of a block's unpacked B tile: 8 rows of 64 signed bytes.
+/// Bytes of a block's B tile: 8 rows of 64 signed bytes (4 consecutive values of 16 rows each).
 const B_TILE_BYTES: usize = 512;
 
 /// Whether the AMX kernel may run in this process (module docs): asked once.
@@ -85,34 +87,106 @@ fn detect() -> bool {
     false
 }
 
-/// A `[rows, cols]` Q4_1 matrix regrouped for AMX tiles (module docs).
+/// How a quantized type's blocks sit in an [`AmxMatrix`]: per group of 16 rows and block, the
+/// rows' f16 scales `d` (bytes 0..32), their f16 minimums `m` if the type has them (32..64),
+/// then the block's weights in B-tile order (module docs).
+pub trait TileFormat: Send + Sync + 'static {
+    /// Bytes per group and block.
+    const GROUP_BLOCK_BYTES: usize;
+    /// Whether a value is `d·q + m` (else `d·q`).
+    const MINIMUMS: bool;
+    /// Where the weights start in a group block.
+    const WEIGHTS_AT: usize;
+    /// Whether the weights are 256 nibble bytes to unpack into the B tile (else they are it).
+    const NIBBLES: bool;
+}
+
+/// Q4_1: scales, minimums, 256 nibble bytes.
+#[derive(Debug, Clone, Copy)]
+pub struct Q4_1Tiles;
+impl TileFormat for Q4_1Tiles {
+    const GROUP_BLOCK_BYTES: usize = 32 + 32 + 256;
+    const MINIMUMS: bool = true;
+    const WEIGHTS_AT: usize = 64;
+    const NIBBLES: bool = true;
+}
+
+/// Q8_0: scales, then the 512-byte B tile of signed values.
+#[derive(Debug, Clone, Copy)]
+pub struct Q8_0Tiles;
+impl TileFormat for Q8_0Tiles {
+    const GROUP_BLOCK_BYTES: usize = 32 + B_TILE_BYTES;
+    const MINIMUMS: bool = false;
+    const WEIGHTS_AT: usize = 32;
+    const NIBBLES: bool = false;
+}
+
+/// A `[rows, cols]` quantized matrix regrouped for AMX tiles (module docs).
 #[derive(Debug, Clone)]
-pub struct AmxQ4_1Matrix {
+pub struct AmxMatrix<F> {
     rows: usize,
     cols: usize,
     bytes: Vec<u8>,
+    format: std::marker::PhantomData<F>,
 }
 
-impl AmxQ4_1Matrix {
+/// Q4_1 regrouped for AMX (`--dtype native-amx`'s layer matrices).
+pub type AmxQ4_1Matrix = AmxMatrix<Q4_1Tiles>;
+/// Q8_0 regrouped for AMX (`--dtype native-amx`'s tied embedding / lm_head).
+pub type AmxQ8_0Matrix = AmxMatrix<Q8_0Tiles>;
+
+impl AmxMatrix<Q4_1Tiles> {
     /// Regroups `w` (any CPU can hold the form; only [`amx_available`] ones multiply with AMX).
     pub fn new(w: &Q4_1Matrix) -> AmxQ4_1Matrix {
-        let (rows, cols) = (w.rows, w.cols);
+        AmxMatrix::regroup(w.rows, w.cols, &w.bytes, BLOCK_BYTES, |blk, gb, lr| {
+            gb[2 * lr..2 * lr + 2].copy_from_slice(&blk[0..2]);
+            gb[32 + 2 * lr..32 + 2 * lr + 2].copy_from_slice(&blk[2..4]);
+            for j in 0..16 {
+                gb[64 + (j / 4) * 64 + lr * 4 + j % 4] = blk[4 + j];
+            }
+        })
+    }
+}
+
+impl AmxMatrix<Q8_0Tiles> {
+    /// Regroups `w` (as [`AmxQ4_1Matrix::new`]).
+    pub fn new(w: &Q8_0Matrix) -> AmxQ8_0Matrix {
+        let (rows, cols, bytes) = w.parts();
+        AmxMatrix::regroup(rows, cols, bytes, 34, |blk, gb, lr| {
+            gb[2 * lr..2 * lr + 2].copy_from_slice(&blk[0..2]);
+            for j in 0..QK {
+                gb[32 + (j / 4) * 64 + lr * 4 + j % 4] = blk[2 + j];
+            }
+        })
+    }
+}
+
+impl<F: TileFormat> AmxMatrix<F> {
+    /// Builds the groups from file rows of `block_bytes`-byte blocks, `place(block, group
+    /// block, row in group)` writing one row's block into its group block.
+    fn regroup(
+        rows: usize,
+        cols: usize,
+        file: &[u8],
+        block_bytes: usize,
+        place: impl Fn(&[u8], &mut [u8], usize),
+    ) -> AmxMatrix<F> {
         let nb = cols / QK;
-        let groups = rows.div_ceil(GROUP_ROWS);
-        let mut bytes = vec![0u8; groups * nb * GROUP_BLOCK_BYTES];
+        let mut bytes = vec![0u8; rows.div_ceil(GROUP_ROWS) * nb * F::GROUP_BLOCK_BYTES];
         for r in 0..rows {
             let (g, lr) = (r / GROUP_ROWS, r % GROUP_ROWS);
-            let row = &w.bytes[r * nb * BLOCK_BYTES..(r + 1) * nb * BLOCK_BYTES];
-            for (b, blk) in row.chunks_exact(BLOCK_BYTES).enumerate() {
-                let gb = &mut bytes[(g * nb + b) * GROUP_BLOCK_BYTES..][..GROUP_BLOCK_BYTES];
-                gb[2 * lr..2 * lr + 2].copy_from_slice(&blk[0..2]);
-                gb[32 + 2 * lr..32 + 2 * lr + 2].copy_from_slice(&blk[2..4]);
-                for j in 0..16 {
-                    gb[64 + (j / 4) * 64 + lr * 4 + j % 4] = blk[4 + j];
-                }
+            let row = &file[r * nb * block_bytes..(r + 1) * nb * block_bytes];
+            for (b, blk) in row.chunks_exact(block_bytes).enumerate() {
+                let at = (g * nb + b) * F::GROUP_BLOCK_BYTES;
+                place(blk, &mut bytes[at..at + F::GROUP_BLOCK_BYTES], lr);
             }
         }
-        AmxQ4_1Matrix { rows, cols, bytes }
+        AmxMatrix {
+            rows,
+            cols,
+            bytes,
+            format: std::marker::PhantomData,
+        }
     }
 
     /// Bytes of the matrix in memory (the file's, plus the last group's padding rows).
@@ -120,35 +194,56 @@ impl AmxQ4_1Matrix {
         self.bytes.len()
     }
 
-    /// Rows `ids` as f32 (`[ids.len(), cols]`), the values [`Q4_1Matrix::dequantize_rows`]
-    /// gives; every id must be `< rows`.
-    pub fn dequantize_rows(&self, ids: &[u32]) -> Vec<f32> {
-        let mut out = Vec::with_capacity(ids.len() * self.cols);
-        for &id in ids {
-            let (g, lr) = (id as usize / GROUP_ROWS, id as usize % GROUP_ROWS);
-            for b in 0..self.blocks() {
-                let gb = self.group_block(g, b);
-                let (d, m) = (f16_at(gb, 2 * lr), f16_at(gb, 32 + 2 * lr));
-                let byte = |j: usize| gb[64 + (j / 4) * 64 + lr * 4 + j % 4];
-                out.extend((0..16).map(|j| f32::from(byte(j) & 15).mul_add(d, m)));
-                out.extend((0..16).map(|j| f32::from(byte(j) >> 4).mul_add(d, m)));
-            }
-        }
-        out
-    }
-
     fn blocks(&self) -> usize {
         self.cols / QK
     }
 
     fn group_block(&self, g: usize, b: usize) -> &[u8] {
-        &self.bytes[(g * self.blocks() + b) * GROUP_BLOCK_BYTES..][..GROUP_BLOCK_BYTES]
+        &self.bytes[(g * self.blocks() + b) * F::GROUP_BLOCK_BYTES..][..F::GROUP_BLOCK_BYTES]
+    }
+
+    /// Row `lr` of a group block: its scale, its minimum (0 without), and its 32 integer values
+    /// in block order.
+    fn row_of(gb: &[u8], lr: usize) -> (f32, f32, [i32; QK]) {
+        let d = f16_at(gb, 2 * lr);
+        let m = if F::MINIMUMS {
+            f16_at(gb, 32 + 2 * lr)
+        } else {
+            0.0
+        };
+        let at = |j: usize| gb[F::WEIGHTS_AT + (j / 4) * 64 + lr * 4 + j % 4];
+        let q = std::array::from_fn(|j| {
+            if F::NIBBLES {
+                i32::from(if j < 16 { at(j) & 15 } else { at(j - 16) >> 4 })
+            } else {
+                i32::from(at(j) as i8)
+            }
+        });
+        (d, m, q)
+    }
+
+    /// Rows `ids` as f32 (`[ids.len(), cols]`), the values the file's own matrix gives
+    /// (`d·q + m`, or `q·d`); every id must be `< rows`.
+    pub fn dequantize_rows(&self, ids: &[u32]) -> Vec<f32> {
+        let mut out = Vec::with_capacity(ids.len() * self.cols);
+        for &id in ids {
+            let (g, lr) = (id as usize / GROUP_ROWS, id as usize % GROUP_ROWS);
+            for b in 0..self.blocks() {
+                let (d, m, q) = Self::row_of(self.group_block(g, b), lr);
+                if F::MINIMUMS {
+                    out.extend(q.iter().map(|&q| (q as f32).mul_add(d, m)));
+                } else {
+                    out.extend(q.iter().map(|&q| q as f32 * d));
+                }
+            }
+        }
+        out
     }
 
     /// `y = x Wᵀ` on AMX tiles. Panics where [`amx_available`] is false (the mode is refused
     /// at load there).
     pub fn matmul_q8(&self, x: &Q8Rows) -> Vec<f32> {
-        assert_eq!(x.k, self.cols, "Q4_1 matmul input width");
+        assert_eq!(x.k, self.cols, "AMX matmul input width");
         assert!(
             amx_available(),
             "AMX kernels on a CPU or kernel without them"
@@ -178,7 +273,7 @@ impl AmxQ4_1Matrix {
     /// The arithmetic of the module docs in plain Rust: what [`Self::matmul_q8`] computes, bit
     /// for bit, on any CPU.
     pub fn matmul_reference(&self, x: &Q8Rows) -> Vec<f32> {
-        assert_eq!(x.k, self.cols, "Q4_1 matmul input width");
+        assert_eq!(x.k, self.cols, "AMX matmul input width");
         let (m, n, nb) = (x.len(), self.rows, self.blocks());
         let xv = x.view();
         let mut y = vec![0f32; m * n];
@@ -187,19 +282,14 @@ impl AmxQ4_1Matrix {
                 let (g, lr) = (r / GROUP_ROWS, r % GROUP_ROWS);
                 let mut acc = 0f32;
                 for b in 0..nb {
-                    let gb = self.group_block(g, b);
-                    let dw = f16_at(gb, 2 * lr);
-                    let mw = f16_at(gb, 32 + 2 * lr);
+                    let (dw, mw, qw) = Self::row_of(self.group_block(g, b), lr);
                     let qa = &xv.qs[t * self.cols + b * QK..][..QK];
-                    let mut s = 0i32;
-                    for j in 0..16 {
-                        let byte = gb[64 + (j / 4) * 64 + lr * 4 + j % 4];
-                        s += i32::from(byte & 15) * i32::from(qa[j]);
-                        s += i32::from(byte >> 4) * i32::from(qa[16 + j]);
-                    }
+                    let s: i32 = qw.iter().zip(qa).map(|(&w, &a)| w * i32::from(a)).sum();
                     let (da, sa) = (xv.d[t * nb + b], xv.s[t * nb + b]);
                     acc = (s as f32).mul_add(dw * da, acc);
-                    acc = mw.mul_add(sa, acc);
+                    if F::MINIMUMS {
+                        acc = mw.mul_add(sa, acc);
+                    }
                 }
                 y[t * n + r] = acc;
             }
@@ -217,7 +307,7 @@ mod kernel {
     use std::arch::asm;
     use std::arch::x86_64::*;
 
-    use super::{AmxQ4_1Matrix, OutPtr, Q8View, B_TILE_BYTES, GROUP_ROWS, QK, TILE_INPUTS};
+    use super::{AmxMatrix, OutPtr, Q8View, TileFormat, B_TILE_BYTES, GROUP_ROWS, QK, TILE_INPUTS};
 
     /// The 64-byte operand of `ldtilecfg` (palette 1).
     #[repr(C, align(64))]
@@ -260,18 +350,20 @@ mod kernel {
     /// AMX is available and granted; `out` holds `m * w.rows` f32 of which nobody else touches
     /// these groups' columns while this runs.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-    pub(super) unsafe fn groups(
-        w: &AmxQ4_1Matrix,
+    pub(super) unsafe fn groups<F: TileFormat>(
+        w: &AmxMatrix<F>,
         x: Q8View<'_>,
         m: usize,
         range: std::ops::Range<usize>,
         out: &OutPtr,
     ) {
         let nb = w.blocks();
-        let mut unpacked = vec![0u8; nb * B_TILE_BYTES];
+        let mut unpacked = vec![0u8; if F::NIBBLES { nb * B_TILE_BYTES } else { 0 }];
         let mut configured = 0;
         for g in range {
-            unpack_group(w, g, &mut unpacked);
+            if F::NIBBLES {
+                unpack_group(w, g, &mut unpacked);
+            }
             let mut t0 = 0;
             while t0 < m {
                 let nt = (m - t0).min(TILE_INPUTS);
@@ -284,7 +376,7 @@ mod kernel {
                     ($($n:literal)|*) => {
                         match nt {
                             // SAFETY: tiles configured for `nt`; the caller's contract.
-                            $($n => unsafe { tile::<$n>(w, g, &unpacked, x, t0, out) },)*
+                            $($n => unsafe { tile::<F, $n>(w, g, &unpacked, x, t0, out) },)*
                             _ => unreachable!("tile of {nt} rows"),
                         }
                     };
@@ -301,10 +393,10 @@ mod kernel {
 
     /// Group `g`'s B tiles, one per block: low nibbles are tile rows 0..4, high nibbles 4..8.
     #[target_feature(enable = "avx512f,avx512bw")]
-    fn unpack_group(w: &AmxQ4_1Matrix, g: usize, unpacked: &mut [u8]) {
+    fn unpack_group<F: TileFormat>(w: &AmxMatrix<F>, g: usize, unpacked: &mut [u8]) {
         let low = _mm512_set1_epi8(0x0F);
         for (b, tile) in unpacked.chunks_exact_mut(B_TILE_BYTES).enumerate() {
-            let nibbles = &w.group_block(g, b)[64..];
+            let nibbles = &w.group_block(g, b)[F::WEIGHTS_AT..];
             for c in 0..4 {
                 // SAFETY: 64 bytes at 64 * c of the 256 nibble bytes, and of the tile's two
                 // 256-byte halves.
@@ -325,8 +417,8 @@ mod kernel {
     /// # Safety
     /// Tiles configured for `NT` rows; as [`groups`].
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-    unsafe fn tile<const NT: usize>(
-        w: &AmxQ4_1Matrix,
+    unsafe fn tile<F: TileFormat, const NT: usize>(
+        w: &AmxMatrix<F>,
         g: usize,
         unpacked: &[u8],
         x: Q8View<'_>,
@@ -340,6 +432,12 @@ mod kernel {
         let mut acc = [_mm512_setzero_ps(); NT];
         let a_base = x.qs[t0 * k..(t0 + NT) * k].as_ptr();
         for b in 0..nb {
+            let gb = w.group_block(g, b);
+            let b_tile = if F::NIBBLES {
+                &unpacked[b * B_TILE_BYTES..][..B_TILE_BYTES]
+            } else {
+                &gb[F::WEIGHTS_AT..][..B_TILE_BYTES]
+            };
             // SAFETY: A reads NT rows of 32 bytes at stride k from block b of rows t0..t0+NT
             // (inside `x.qs`); B reads the block's 512 unpacked bytes; C is stored into `sums`
             // (NT rows of 64 bytes).
@@ -352,18 +450,22 @@ mod kernel {
                     "tilestored [{c} + {sixty_four}*1], tmm2",
                     a = in(reg) a_base.add(b * QK),
                     k = in(reg) k,
-                    b = in(reg) unpacked.as_ptr().add(b * B_TILE_BYTES),
+                    b = in(reg) b_tile.as_ptr(),
                     sixty_four = in(reg) 64usize,
                     c = in(reg) sums.0.as_mut_ptr(),
                     options(nostack),
                 );
             }
-            let gb = w.group_block(g, b);
-            // SAFETY: 16 f16 scales at 0 and 16 f16 minimums at 32 of the group block.
+            // SAFETY: 16 f16 scales at 0 and (with minimums) 16 f16 minimums at 32 of the
+            // group block.
             let (dw, mw) = unsafe {
                 (
                     _mm512_cvtph_ps(_mm256_loadu_si256(gb.as_ptr().cast())),
-                    _mm512_cvtph_ps(_mm256_loadu_si256(gb.as_ptr().add(32).cast())),
+                    if F::MINIMUMS {
+                        _mm512_cvtph_ps(_mm256_loadu_si256(gb.as_ptr().add(32).cast()))
+                    } else {
+                        _mm512_setzero_ps()
+                    },
                 )
             };
             for (t, a) in acc.iter_mut().enumerate() {
@@ -372,7 +474,9 @@ mod kernel {
                 let s = _mm512_cvtepi32_ps(unsafe { _mm512_load_si512(sums.0[t].as_ptr().cast()) });
                 let p = _mm512_mul_ps(dw, _mm512_set1_ps(x.d[at]));
                 *a = _mm512_fmadd_ps(s, p, *a);
-                *a = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.s[at]), *a);
+                if F::MINIMUMS {
+                    *a = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.s[at]), *a);
+                }
             }
         }
         let r0 = g * GROUP_ROWS;
@@ -458,6 +562,83 @@ mod tests {
     }
 
     #[test]
+    fn the_q8_0_reference_is_the_product_of_the_quantized_inputs() {
+        let (rows, cols, m) = (21, 64, 3);
+        let mut bytes = Vec::new();
+        for i in 0..rows * cols / QK {
+            bytes.extend(half::f16::from_f32(0.01 + i as f32 * 1e-4).to_le_bytes());
+            bytes.extend((0..QK).map(|j| ((i * 31 + j * 7) % 255) as u8));
+        }
+        let w = Q8_0Matrix::new(rows, cols, bytes).unwrap();
+        let amx = AmxQ8_0Matrix::new(&w);
+        let ids: Vec<u32> = (0..rows as u32).collect();
+        let wf = w.dequantize_rows(&ids);
+        assert_eq!(amx.dequantize_rows(&ids), wf, "regrouped rows");
+        let x = Q8Rows::quantize(&random_inputs(m, cols, 3), cols);
+        let y = amx.matmul_reference(&x);
+        let xv = x.view();
+        for t in 0..m {
+            for r in 0..rows {
+                let want: f64 = (0..cols)
+                    .map(|c| {
+                        let xa =
+                            f64::from(xv.qs[t * cols + c]) * f64::from(xv.d[(t * cols + c) / QK]);
+                        f64::from(wf[r * cols + c]) * xa
+                    })
+                    .sum();
+                let got = f64::from(y[t * rows + r]);
+                assert!(
+                    (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                    "y[{t}][{r}] {got} {want}"
+                );
+            }
+        }
+    }
+
+    /// The AMX kernel against the reference for every batch size that makes a new tile shape,
+    /// and row 0 alone against row 0 in each batch.
+    fn check_amx<F: TileFormat>(w: &AmxMatrix<F>, all: &[f32], what: &str) {
+        let cols = w.cols;
+        for m in [1, 3, 16, 17, 40] {
+            let x = Q8Rows::quantize(&all[..m * cols], cols);
+            let got = w.matmul_q8(&x);
+            let want = w.matmul_reference(&x);
+            let bad = got
+                .iter()
+                .zip(&want)
+                .position(|(a, b)| a.to_bits() != b.to_bits());
+            assert_eq!(bad, None, "{what} at batch {m}: first difference");
+            let alone = w.matmul_q8(&Q8Rows::quantize(&all[..cols], cols));
+            assert_eq!(
+                alone[..],
+                got[..w.rows],
+                "{what}: row 0 alone and in a batch of {m}"
+            );
+        }
+    }
+
+    #[test]
+    fn amx_q8_0_equals_the_reference_bit_for_bit_in_any_batch() {
+        if !amx_available() {
+            eprintln!("AMX not available on this CPU: the AMX kernel is not tested here");
+            return;
+        }
+        for (rows, cols) in [(40, 96), (48, 576)] {
+            let mut bytes = Vec::new();
+            for i in 0..rows * cols / QK {
+                bytes.extend(half::f16::from_f32(0.003 + (i % 13) as f32 * 1e-3).to_le_bytes());
+                bytes.extend((0..QK).map(|j| ((i * 131 + j * 17) % 256) as u8));
+            }
+            let w = AmxQ8_0Matrix::new(&Q8_0Matrix::new(rows, cols, bytes).unwrap());
+            check_amx(
+                &w,
+                &random_inputs(40, cols, 7),
+                &format!("Q8_0 [{rows}, {cols}]"),
+            );
+        }
+    }
+
+    #[test]
     fn amx_equals_the_reference_bit_for_bit_in_any_batch() {
         if !amx_available() {
             eprintln!("AMX not available on this CPU: the AMX kernel is not tested here");
@@ -466,19 +647,7 @@ mod tests {
         for (rows, cols) in [(40, 96), (576, 576), (48, 1536)] {
             let w = AmxQ4_1Matrix::new(&random_q4_1(rows, cols, rows as u64));
             let all = random_inputs(40, cols, cols as u64);
-            for m in [1, 3, 16, 17, 40] {
-                let x = Q8Rows::quantize(&all[..m * cols], cols);
-                let got = w.matmul_q8(&x);
-                let want = w.matmul_reference(&x);
-                let bad = got
-                    .iter()
-                    .zip(&want)
-                    .position(|(a, b)| a.to_bits() != b.to_bits());
-                assert_eq!(bad, None, "[{rows}, {cols}] at batch {m}: first difference");
-                // Row 0 alone gives what it gave in the batch.
-                let alone = w.matmul_q8(&Q8Rows::quantize(&all[..cols], cols));
-                assert_eq!(alone[..], got[..rows], "row 0 alone and in a batch of {m}");
-            }
+            check_amx(&w, &all, &format!("Q4_1 [{rows}, {cols}]"));
         }
     }
 }

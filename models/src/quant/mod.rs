@@ -32,7 +32,7 @@ mod int8;
 #[cfg(target_arch = "x86_64")]
 mod int8_forms;
 mod q8_0;
-pub use amx::{amx_available, AmxQ4_1Matrix};
+pub use amx::{amx_available, AmxMatrix, AmxQ4_1Matrix, AmxQ8_0Matrix, TileFormat};
 pub use int8::Q8Rows;
 pub use q8_0::Q8_0Matrix;
 

@@ -48,6 +48,11 @@ impl Q8_0Matrix {
         Ok(Q8_0Matrix { rows, cols, bytes })
     }
 
+    /// Rows, columns and the file's bytes (for the AMX form, `super::amx`).
+    pub(super) fn parts(&self) -> (usize, usize, &[u8]) {
+        (self.rows, self.cols, &self.bytes)
+    }
+
     /// Bytes of the matrix in memory.
     pub fn size_in_bytes(&self) -> usize {
         self.bytes.len()

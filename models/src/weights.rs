@@ -103,7 +103,7 @@ impl WeightMode {
     /// The mode `--dtype auto` runs on this CPU for a model whose layer matrices are all Q4_1
     /// (`layers_q4_1`) or not:
     /// - `NativeAmx` for Q4_1 matrices where the AMX kernels run ([`amx_available`]): on a
-    ///   Sapphire Rapids Xeon 1.3–1.5x `Q8_0`'s prefill, 1.1x its batch-1 decode and 1.3–1.4x
+    ///   Sapphire Rapids Xeon 1.3–1.5x `Q8_0`'s prefill, 1.04–1.18x its batch-1 decode and 1.3x
     ///   its batch-16 decode (BENCHMARKS.md);
     /// - else `Q8_0` where candle's tiled Q8_0 kernels run: AVX512-VNNI, in the AVX-512 variant that
     ///   [`Isa::active`] picks, with VNNI allowed (`TANDEM_CPU_VNNI`). Without those tiles every

@@ -262,3 +262,209 @@ extern "C" __global__ void tandem_attention_combine(const float* part, bf16* out
             float_to_bf16(lsum > 0.f ? a / lsum : 0.f);
     }
 }
+
+// ---- Prefill attention on tensor cores -------------------------------------------------------
+// For steps whose rows are mostly long runs of one sequence (prefill chunks): a thread block
+// takes 64 consecutive rows of the step and one query head; each of its 4 warps holds 16 rows.
+// Rows of one sequence (equal table_off) form a segment; for each segment the block walks the
+// sequence's keys 0..=max ctx of its rows in chunks of 64, staged in shared memory, and each
+// warp computes S = Q Kᵀ and O += P V with mma.sync m16n8k16 (bf16 in, f32 accumulate) and an
+// online softmax per row; a row sees keys 0..=ctx_idx[row] (causal), rows outside the segment
+// are masked. Q·K is summed in f32 from bf16 inputs, the scale applied to the sum, and P is
+// rounded to bf16 for the P·V product (the per-row kernel keeps P in f32).
+
+__device__ __forceinline__ void mma_bf16_16816(float c[4], const uint32_t a[4], const uint32_t b[2]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Two bf16 in one register, the first in the low half (the lower column of an mma fragment).
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+    return (uint32_t)float_to_bf16(lo) | ((uint32_t)float_to_bf16(hi) << 16);
+}
+
+template <int D>
+__device__ void prefill_attention(const bf16* qkv, const uint32_t* ctx_idx,
+                                  const uint32_t* table_off, const uint32_t* tables,
+                                  uint64_t k_base, uint64_t v_base, uint64_t block_stride,
+                                  uint32_t block_size, uint32_t heads, uint32_t kv_heads,
+                                  float scale, uint32_t rows, bf16* out) {
+    constexpr int KT = 64;     // keys per chunk
+    constexpr int ROWS = 64;   // query rows per thread block, 16 per warp
+    constexpr int PAD = 8;     // bf16 of padding per shared row (bank spread)
+    constexpr int SROW = D + PAD;
+    __shared__ __align__(16) bf16 sk[KT * SROW];
+    __shared__ __align__(16) bf16 sv[KT * SROW];
+
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, tq = lane & 3;
+    const uint32_t h = blockIdx.y, kvh = h / (heads / kv_heads);
+    const uint32_t row0 = blockIdx.x * ROWS;
+    const uint32_t row_end = min(rows, row0 + ROWS);
+    const uint32_t width = (heads + 2 * kv_heads) * D;
+    // This thread's two rows of its warp's 16 (fragment rows g and g + 8).
+    const uint32_t ra = row0 + warp * 16 + g, rb = ra + 8;
+    const bool va = ra < rows, vb = rb < rows;
+    const uint32_t ca = va ? ctx_idx[ra] : 0, cb = vb ? ctx_idx[rb] : 0;
+
+    uint32_t qf[D / 16][4];
+    {
+        const bf16* qa = qkv + (uint64_t)ra * width + h * D + tq * 2;
+        const bf16* qb = qkv + (uint64_t)rb * width + h * D + tq * 2;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            qf[kk][0] = va ? *(const uint32_t*)(qa + kk * 16) : 0u;
+            qf[kk][1] = vb ? *(const uint32_t*)(qb + kk * 16) : 0u;
+            qf[kk][2] = va ? *(const uint32_t*)(qa + kk * 16 + 8) : 0u;
+            qf[kk][3] = vb ? *(const uint32_t*)(qb + kk * 16 + 8) : 0u;
+        }
+    }
+    float o[D / 8][4];
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.f;
+    float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.f, l_b = 0.f;
+
+    uint32_t seg = row0;
+    while (seg < row_end) {
+        const uint32_t toff = table_off[seg];
+        uint32_t seg_end = seg + 1;
+        uint32_t max_ctx = ctx_idx[seg];
+        while (seg_end < row_end && table_off[seg_end] == toff) {
+            max_ctx = max(max_ctx, ctx_idx[seg_end]);
+            ++seg_end;
+        }
+        const uint32_t* table = tables + toff;
+        const bool in_a = va && ra >= seg && ra < seg_end;
+        const bool in_b = vb && rb >= seg && rb < seg_end;
+        const bool warp_active = __any_sync(0xffffffffu, in_a || in_b);
+        for (uint32_t k0 = 0; k0 <= max_ctx; k0 += KT) {
+            __syncthreads();  // the previous chunk's readers are done
+            for (int i = threadIdx.x; i < KT * D / 8; i += blockDim.x) {
+                const int key = i / (D / 8), c = (i % (D / 8)) * 8;
+                const uint32_t j = k0 + key;
+                uint4 kv4 = make_uint4(0, 0, 0, 0), vv4 = make_uint4(0, 0, 0, 0);
+                if (j <= max_ctx) {
+                    const uint64_t block = table[j / block_size], off = j % block_size;
+                    const uint64_t within = ((off * kv_heads + kvh) * D + c) * 2;
+                    kv4 = *(const uint4*)(k_base + block * block_stride + within);
+                    vv4 = *(const uint4*)(v_base + block * block_stride + within);
+                }
+                *(uint4*)(sk + key * SROW + c) = kv4;
+                *(uint4*)(sv + key * SROW + c) = vv4;
+            }
+            __syncthreads();
+            if (!warp_active) continue;
+
+            // S = Q Kᵀ for 64 keys: s[n] covers keys k0 + 8n .. k0 + 8n + 8.
+            float s[KT / 8][4];
+#pragma unroll
+            for (int n = 0; n < KT / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+                for (int n = 0; n < KT / 8; ++n) {
+                    const bf16* kp = sk + (n * 8 + g) * SROW + kk * 16 + tq * 2;
+                    uint32_t b[2] = {*(const uint32_t*)kp, *(const uint32_t*)(kp + 8)};
+                    mma_bf16_16816(s[n], qf[kk], b);
+                }
+            }
+            // Mask, scale, and the chunk's row maxima (a row's values sit in a quad of lanes).
+            float mx_a = -INFINITY, mx_b = -INFINITY;
+#pragma unroll
+            for (int n = 0; n < KT / 8; ++n) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const uint32_t j = k0 + n * 8 + tq * 2 + e;
+                    const float xa = (in_a && j <= ca) ? s[n][e] * scale : -INFINITY;
+                    const float xb = (in_b && j <= cb) ? s[n][2 + e] * scale : -INFINITY;
+                    s[n][e] = xa;
+                    s[n][2 + e] = xb;
+                    mx_a = fmaxf(mx_a, xa);
+                    mx_b = fmaxf(mx_b, xb);
+                }
+            }
+            mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
+            mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
+            mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
+            mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
+            const float mn_a = fmaxf(m_a, mx_a), mn_b = fmaxf(m_b, mx_b);
+            const bool live_a = mn_a > -INFINITY, live_b = mn_b > -INFINITY;
+            const float c_a = live_a ? __expf(m_a - mn_a) : 1.f;
+            const float c_b = live_b ? __expf(m_b - mn_b) : 1.f;
+            // P as bf16 A fragments: keys 16kk..16kk + 16 are s[2kk] and s[2kk + 1].
+            uint32_t pf[KT / 16][4];
+            float sum_a = 0.f, sum_b = 0.f;
+#pragma unroll
+            for (int n = 0; n < KT / 8; ++n) {
+                const float p0 = live_a ? __expf(s[n][0] - mn_a) : 0.f;
+                const float p1 = live_a ? __expf(s[n][1] - mn_a) : 0.f;
+                const float p2 = live_b ? __expf(s[n][2] - mn_b) : 0.f;
+                const float p3 = live_b ? __expf(s[n][3] - mn_b) : 0.f;
+                sum_a += p0 + p1;
+                sum_b += p2 + p3;
+                pf[n / 2][(n % 2) * 2] = pack_bf16(p0, p1);
+                pf[n / 2][(n % 2) * 2 + 1] = pack_bf16(p2, p3);
+            }
+            sum_a += __shfl_xor_sync(0xffffffffu, sum_a, 1);
+            sum_a += __shfl_xor_sync(0xffffffffu, sum_a, 2);
+            sum_b += __shfl_xor_sync(0xffffffffu, sum_b, 1);
+            sum_b += __shfl_xor_sync(0xffffffffu, sum_b, 2);
+            l_a = l_a * c_a + sum_a;
+            l_b = l_b * c_b + sum_b;
+            m_a = mn_a;
+            m_b = mn_b;
+#pragma unroll
+            for (int dn = 0; dn < D / 8; ++dn) {
+                o[dn][0] *= c_a;
+                o[dn][1] *= c_a;
+                o[dn][2] *= c_b;
+                o[dn][3] *= c_b;
+            }
+            // O += P V: B[key][dim] gathered from the staged V rows.
+#pragma unroll
+            for (int kk = 0; kk < KT / 16; ++kk) {
+#pragma unroll
+                for (int dn = 0; dn < D / 8; ++dn) {
+                    const bf16* vp = sv + (kk * 16 + tq * 2) * SROW + dn * 8 + g;
+                    uint32_t b[2] = {
+                        (uint32_t)vp[0] | ((uint32_t)vp[SROW] << 16),
+                        (uint32_t)vp[8 * SROW] | ((uint32_t)vp[9 * SROW] << 16),
+                    };
+                    mma_bf16_16816(o[dn], pf[kk], b);
+                }
+            }
+        }
+        seg = seg_end;
+    }
+
+    const float ia = l_a > 0.f ? 1.f / l_a : 0.f, ib = l_b > 0.f ? 1.f / l_b : 0.f;
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn) {
+        const uint32_t d = h * D + dn * 8 + tq * 2;
+        if (va) {
+            bf16* dst = out + (uint64_t)ra * heads * D + d;
+            dst[0] = float_to_bf16(o[dn][0] * ia);
+            dst[1] = float_to_bf16(o[dn][1] * ia);
+        }
+        if (vb) {
+            bf16* dst = out + (uint64_t)rb * heads * D + d;
+            dst[0] = float_to_bf16(o[dn][2] * ib);
+            dst[1] = float_to_bf16(o[dn][3] * ib);
+        }
+    }
+}
+
+#define TANDEM_PREFILL_ATTENTION(D)                                                                \
+    extern "C" __global__ void __launch_bounds__(128) tandem_prefill_attention_d##D(               \
+        const bf16* qkv, const uint32_t* ctx_idx, const uint32_t* table_off,                       \
+        const uint32_t* tables, uint64_t k_base, uint64_t v_base, uint64_t block_stride,           \
+        uint32_t block_size, uint32_t heads, uint32_t kv_heads, float scale, uint32_t rows,        \
+        bf16* out) {                                                                               \
+        prefill_attention<D>(qkv, ctx_idx, table_off, tables, k_base, v_base, block_stride,        \
+                             block_size, heads, kv_heads, scale, rows, out);                       \
+    }
+TANDEM_PREFILL_ATTENTION(64)
+TANDEM_PREFILL_ATTENTION(128)

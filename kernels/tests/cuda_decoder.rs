@@ -289,12 +289,15 @@ fn tables(num_blocks: usize, lens: &[usize], seed: u64) -> Vec<Vec<u32>> {
         .collect()
 }
 
-fn run_batch_case(head_dim: usize, heads: usize, kv_heads: usize) {
+/// Two sequences prefilled in one step (`prefill` rows each), then three batched decode steps.
+/// With 64 rows or more in a step of long runs the prefill takes the tensor-core kernel, and
+/// [70, 50] puts the end of one sequence and all of the other in one thread block's 64 rows.
+fn run_batch_case(head_dim: usize, heads: usize, kv_heads: usize, prefill: [usize; 2]) {
     let dev = device();
     let model = HostModel::random(shape(head_dim, heads, kv_heads), 7);
     let dec = load(&dev, &model, 64, 128);
     let mut rng = rand::rngs::StdRng::seed_from_u64(11);
-    let lens = [37 + 3, 20 + 3];
+    let lens = [prefill[0] + 3, prefill[1] + 3];
     let t = tables(64, &lens, 3);
     let mut seqs: Vec<Seq> = lens
         .iter()
@@ -308,24 +311,26 @@ fn run_batch_case(head_dim: usize, heads: usize, kv_heads: usize) {
     let refs: Vec<Vec<Vec<f32>>> = seqs.iter().map(|s| model.reference(&s.tokens)).collect();
     let (a, b) = seqs.split_at_mut(1);
     let mut both = [&mut a[0], &mut b[0]];
-    let out = step(&dec, &mut both, &[37, 20]);
-    assert_close(&out[0], &refs[0][36], "prefill of sequence 0");
-    assert_close(&out[1], &refs[1][19], "prefill of sequence 1");
+    let out = step(&dec, &mut both, &prefill);
+    assert_close(&out[0], &refs[0][prefill[0] - 1], "prefill of sequence 0");
+    assert_close(&out[1], &refs[1][prefill[1] - 1], "prefill of sequence 1");
     for k in 0..3 {
         let out = step(&dec, &mut both, &[1, 1]);
-        assert_close(&out[0], &refs[0][37 + k], "decode of sequence 0");
-        assert_close(&out[1], &refs[1][20 + k], "decode of sequence 1");
+        assert_close(&out[0], &refs[0][prefill[0] + k], "decode of sequence 0");
+        assert_close(&out[1], &refs[1][prefill[1] + k], "decode of sequence 1");
     }
 }
 
 #[test]
 fn prefill_and_decode_of_two_sequences_match_the_reference_head_dim_64() {
-    run_batch_case(64, 6, 2);
+    run_batch_case(64, 6, 2, [37, 20]);
+    run_batch_case(64, 6, 2, [70, 50]);
 }
 
 #[test]
 fn prefill_and_decode_of_two_sequences_match_the_reference_head_dim_128() {
-    run_batch_case(128, 8, 2);
+    run_batch_case(128, 8, 2, [37, 20]);
+    run_batch_case(128, 8, 2, [70, 50]);
 }
 
 #[test]

@@ -26,6 +26,10 @@ const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/decoder.ptx"));
 
 /// Threads of an attention thread block (4 warps, as `decoder.cu` assumes).
 const ATTENTION_THREADS: u32 = 128;
+/// Query rows per thread block of the tensor-core prefill attention (16 per warp).
+const TILED_ROWS: u32 = 64;
+/// Rows per run of one sequence, on average, from which a step's attention is tiled.
+const TILED_MIN_RUN: usize = 16;
 /// Query heads per KV head the attention kernel holds in registers.
 pub const MAX_GROUP: usize = 8;
 /// Rows of logits a step computes at most.
@@ -223,12 +227,26 @@ struct ScratchAddresses {
     logits: u64,
 }
 
+/// Whether a step's attention runs the tensor-core prefill kernel: at least one thread block of
+/// rows, in runs of one sequence (equal `table_off`) of [`TILED_MIN_RUN`] rows or more on
+/// average. Decode steps (one row per sequence) keep the per-row kernel, which splits long
+/// contexts over thread blocks; the tiled kernel stages each sequence's keys in shared memory
+/// once per 64 rows and multiplies on tensor cores, so it wins where rows share keys.
+fn prefers_tiled_attention(table_off: &[u32]) -> bool {
+    let rows = table_off.len();
+    let runs = 1 + table_off.windows(2).filter(|w| w[0] != w[1]).count();
+    rows >= TILED_ROWS as usize && rows >= TILED_MIN_RUN * runs
+}
+
 /// What a step's kernels are launched with: its sizes and where its metadata lies in `meta`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct StepPlan {
     tokens: usize,
     logits_rows: usize,
     splits: usize,
+    /// Whether attention runs the tensor-core prefill kernel (a step of long runs of rows of
+    /// one sequence, see [`prefers_tiled_attention`]) instead of the per-row kernel.
+    tiled: bool,
     /// Offsets (in u32s) of ids, positions, slots, ctx_idx, table_off, logits_rows, tables.
     offsets: [u64; 7],
 }
@@ -256,6 +274,7 @@ struct Kernels {
     fill: CudaFunction,
     attention: CudaFunction,
     combine: CudaFunction,
+    prefill_attention: CudaFunction,
 }
 
 /// A kernel argument.
@@ -360,6 +379,11 @@ impl GpuDecoder {
                 "tandem_attention_d128"
             })?,
             combine: f("tandem_attention_combine")?,
+            prefill_attention: f(if shape.head_dim == 64 {
+                "tandem_prefill_attention_d64"
+            } else {
+                "tandem_prefill_attention_d128"
+            })?,
         };
         let blas = Blas::new(device)?;
         let scratch = Scratch::new(device, &shape, max_tokens)?;
@@ -486,14 +510,16 @@ impl GpuDecoder {
         let plan = self.upload(&mut scratch, step)?;
         if plan != graph.plan {
             return Err(KernelError::Shape(format!(
-                "a step of {} rows, {} logits rows and {} key splits does not fit a graph of {} \
-                 rows, {} logits rows and {} splits",
+                "a step of {} rows, {} logits rows, {} key splits (tiled prefill: {}) does not \
+                 fit a graph of {} rows, {} logits rows, {} splits (tiled prefill: {})",
                 plan.tokens,
                 plan.logits_rows,
                 plan.splits,
+                plan.tiled,
                 graph.plan.tokens,
                 graph.plan.logits_rows,
-                graph.plan.splits
+                graph.plan.splits,
+                graph.plan.tiled
             )));
         }
         graph.graph.launch()?;
@@ -555,10 +581,12 @@ impl GpuDecoder {
         {
             splits = 1;
         }
+        let tiled = prefers_tiled_attention(step.table_off);
         Ok(StepPlan {
             tokens: t,
             logits_rows: step.logits_rows.len(),
-            splits: splits.max(1),
+            splits: if tiled { 1 } else { splits.max(1) },
+            tiled,
             offsets,
         })
     }
@@ -629,27 +657,50 @@ impl GpuDecoder {
                     Arg::U32(shape.head_dim as u32),
                 ],
             )?;
-            self.launch(
-                &self.kernels.attention,
-                (t32, shape.kv_heads as u32, splits as u32),
-                ATTENTION_THREADS,
-                &[
-                    Arg::U64(qkv),
-                    Arg::U64(ctx_idx),
-                    Arg::U64(table_off),
-                    Arg::U64(tables),
-                    Arg::U64(cl.k),
-                    Arg::U64(cl.v),
-                    Arg::U64(cl.block_stride),
-                    Arg::U32(layout.block_size as u32),
-                    Arg::U32(shape.heads as u32),
-                    Arg::U32(shape.kv_heads as u32),
-                    Arg::F32(scale),
-                    Arg::U32(chunk),
-                    Arg::U64(attn),
-                    Arg::U64(part),
-                ],
-            )?;
+            if plan.tiled {
+                self.launch(
+                    &self.kernels.prefill_attention,
+                    (t32.div_ceil(TILED_ROWS), shape.heads as u32, 1),
+                    ATTENTION_THREADS,
+                    &[
+                        Arg::U64(qkv),
+                        Arg::U64(ctx_idx),
+                        Arg::U64(table_off),
+                        Arg::U64(tables),
+                        Arg::U64(cl.k),
+                        Arg::U64(cl.v),
+                        Arg::U64(cl.block_stride),
+                        Arg::U32(layout.block_size as u32),
+                        Arg::U32(shape.heads as u32),
+                        Arg::U32(shape.kv_heads as u32),
+                        Arg::F32(scale),
+                        Arg::U32(t32),
+                        Arg::U64(attn),
+                    ],
+                )?;
+            } else {
+                self.launch(
+                    &self.kernels.attention,
+                    (t32, shape.kv_heads as u32, splits as u32),
+                    ATTENTION_THREADS,
+                    &[
+                        Arg::U64(qkv),
+                        Arg::U64(ctx_idx),
+                        Arg::U64(table_off),
+                        Arg::U64(tables),
+                        Arg::U64(cl.k),
+                        Arg::U64(cl.v),
+                        Arg::U64(cl.block_stride),
+                        Arg::U32(layout.block_size as u32),
+                        Arg::U32(shape.heads as u32),
+                        Arg::U32(shape.kv_heads as u32),
+                        Arg::F32(scale),
+                        Arg::U32(chunk),
+                        Arg::U64(attn),
+                        Arg::U64(part),
+                    ],
+                )?;
+            }
             if splits > 1 {
                 self.launch(
                     &self.kernels.combine,
@@ -972,6 +1023,20 @@ impl Loader<'_, '_> {
 mod tests {
     use super::*;
     use tandem_kv_cache::{BlockLayout, CacheDtype};
+
+    #[test]
+    fn prefill_steps_take_the_tiled_attention_and_decode_steps_do_not() {
+        // one 512-row prefill chunk; two sequences of 70 and 50 rows
+        assert!(prefers_tiled_attention(&[0; 512]));
+        let two: Vec<u32> = [vec![0; 70], vec![5; 50]].concat();
+        assert!(prefers_tiled_attention(&two));
+        // 32 decode rows; a short prefill; a chunk with 60 decode rows beside it
+        let decode: Vec<u32> = (0..32).map(|i| i * 4).collect();
+        assert!(!prefers_tiled_attention(&decode));
+        assert!(!prefers_tiled_attention(&[0; 57]));
+        let mixed: Vec<u32> = [vec![0; 64], (1..61).collect()].concat();
+        assert!(!prefers_tiled_attention(&mixed));
+    }
 
     /// Two rows of one sequence in block 1 of a cache of 8 blocks of 16.
     fn good() -> OwnedStep {

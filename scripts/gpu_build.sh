@@ -5,12 +5,17 @@
 # and tandem-gpu-model-bench (the decoder on the 8B shape), stripped. nvcc 13.0 comes from PyPI
 # (scripts/cuda_toolchain.sh), and `tandem` itself with `--device cuda` (scripts/gpu_serve_check.sh).
 # The cuda builds share target/ with the CPU ones: build the CPU binary again afterwards. With --model, also stages the embedded model in two halves under
-# out/gpu-model/ (a device call carries at most 64 MiB: carry one half per call). Then, on the GPU
-# machine, from the repository root: scripts/gpu_run.sh
+# out/gpu-model/ (a device call carries at most 64 MiB: carry one half per call). NIXL for CUDA 13
+# (the nixl-cu13 wheel, 59 MB: carry .tools/wheels in a call of its own) is downloaded into
+# .tools/wheels for scripts/gpu_pd_check.sh. Then, on the GPU machine, from the repository root:
+# scripts/gpu_run.sh, scripts/gpu_pd_check.sh
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 export CUDA_ROOT=${CUDA_ROOT:-$("$root/scripts/cuda_toolchain.sh")}
+if ! ls .tools/wheels/nixl_cu13-1.5.1-*.whl >/dev/null 2>&1; then
+    python3 -m pip download --quiet --no-deps -d .tools/wheels nixl-cu13==1.5.1
+fi
 cargo build --release -p tandem-kernels --features cuda --bins
 cargo build --release -p tandem-server --features cuda --bin tandem
 mkdir -p out/gpu

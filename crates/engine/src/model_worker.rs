@@ -210,6 +210,14 @@ impl ModelWorker {
     }
 }
 
+impl ModelWorker {
+    /// Computes the KV checksums with `backend` (the GPU's kernel over its device cache).
+    pub fn with_checksum_backend(mut self, backend: tandem_kv_checksum::SharedBackend) -> Self {
+        self.rank.checksums.set_backend(backend);
+        self
+    }
+}
+
 impl Worker for ModelWorker {
     fn execute(&mut self, step: &SchedulerOutput) -> Result<WorkerOutput, EngineError> {
         self.rank.begin_step(step);

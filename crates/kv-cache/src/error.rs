@@ -16,4 +16,7 @@ pub enum KvCacheError {
     /// The arrays live in another memory (a GPU's): the host cannot read or write them here.
     #[error("the KV cache lives in device memory: no host access to its blocks")]
     NotInHostMemory,
+    /// A device copy failed, or a storage was given a device memory that does not fit it.
+    #[error("device KV memory: {0}")]
+    Device(String),
 }

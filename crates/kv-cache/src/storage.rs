@@ -9,7 +9,9 @@
 //!
 //! A storage may also only *describe* a cache whose arrays live elsewhere (a GPU's memory, owned by
 //! the model: [`KvStorage::elsewhere`]): the same layouts and names, no host arrays; every host
-//! access then fails with [`KvCacheError::NotInHostMemory`] and it has no regions to register.
+//! view then fails with [`KvCacheError::NotInHostMemory`]. Given the device memory itself
+//! ([`KvStorage::on_device`]), it has that memory's regions to register and copies single blocks
+//! to and from it ([`KvStorage::read_block`], [`KvStorage::modify_block`]).
 //!
 //! Concurrency invariant: the storage is shared (`&self`) by the forward pass, checksum threads and
 //! transfer engines. It does not lock; the scheduler's block ownership keeps them apart: a block is
@@ -20,6 +22,9 @@
 //! in the array never aliases a live reference.
 
 use std::cell::UnsafeCell;
+use std::sync::Arc;
+
+use crate::device::{Allocation, DeviceKvMemory, MemoryKind};
 
 use crate::error::KvCacheError;
 use crate::layout::{BlockLayout, LayerKv, LayoutOrder};
@@ -51,13 +56,16 @@ pub enum KvPart {
     V,
 }
 
-/// One contiguous memory region of the storage, for registration with a transfer engine.
+/// One layer's K or V array of the storage, for a transfer engine: block `b` starts at
+/// `addr + b * block_stride` (`block_stride` is the block's size in a per-layer array, larger
+/// where the blocks of several layers interleave), and the region spans `len` bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MemoryRegion {
     pub layer: usize,
     pub part: KvPart,
     pub addr: usize,
     pub len: usize,
+    pub block_stride: usize,
 }
 
 struct LayerBuffers {
@@ -73,6 +81,8 @@ pub struct KvStorage {
     layers: Vec<LayerBuffers>,
     /// Whether the arrays are in this process's host memory (else they are elsewhere and empty).
     host: bool,
+    /// The device memory holding the arrays, when they are elsewhere and it was given.
+    device: Option<Arc<dyn DeviceKvMemory>>,
 }
 
 // SAFETY: all mutation goes through raw pointers into fixed allocations, and the block-ownership
@@ -122,9 +132,57 @@ impl KvStorage {
         Self::build(config, order, group_blocks, false)
     }
 
+    /// The layouts of a cache held in `memory` (a GPU's): like [`KvStorage::elsewhere`], and its
+    /// regions, allocations and block copies are the device memory's. Fails when the memory's
+    /// regions do not cover every layer's blocks.
+    pub fn on_device(
+        config: &KvCacheConfig,
+        order: LayoutOrder,
+        group_blocks: &[usize],
+        memory: Arc<dyn DeviceKvMemory>,
+    ) -> Result<Self, KvCacheError> {
+        let mut s = Self::build(config, order, group_blocks, false)?;
+        let regions = memory.regions();
+        if regions.len() != 2 * s.layers.len() {
+            return Err(KvCacheError::Device(format!(
+                "{} device regions for {} layers",
+                regions.len(),
+                s.layers.len()
+            )));
+        }
+        for r in &regions {
+            let l = s.layers.get(r.layer).ok_or(KvCacheError::LayerOutOfRange {
+                layer: r.layer,
+                num_layers: s.layers.len(),
+            })?;
+            let bb = l.layout.block_bytes();
+            let need = (l.layout.num_blocks - 1)
+                .checked_mul(r.block_stride)
+                .and_then(|n| n.checked_add(bb));
+            if r.block_stride < bb || need.is_none_or(|n| n > r.len) {
+                return Err(KvCacheError::Device(format!(
+                    "layer {} {:?}: a region of {} bytes at a stride of {} cannot hold {} \
+                     blocks of {bb} bytes",
+                    r.layer, r.part, r.len, r.block_stride, l.layout.num_blocks
+                )));
+            }
+        }
+        s.device = Some(memory);
+        Ok(s)
+    }
+
     /// Whether the arrays are in host memory (see [`KvStorage::elsewhere`]).
     pub fn in_host_memory(&self) -> bool {
         self.host
+    }
+
+    /// Where the arrays live (a storage that only describes its cache says host memory; it has
+    /// no regions).
+    pub fn memory_kind(&self) -> MemoryKind {
+        match &self.device {
+            Some(d) => MemoryKind::Device(d.device_id()),
+            None => MemoryKind::Host,
+        }
     }
 
     fn build(
@@ -164,7 +222,11 @@ impl KvStorage {
                 });
             }
         }
-        Ok(KvStorage { layers, host })
+        Ok(KvStorage {
+            layers,
+            host,
+            device: None,
+        })
     }
 
     pub fn num_layers(&self) -> usize {
@@ -306,8 +368,120 @@ impl KvStorage {
         Ok(unsafe { std::slice::from_raw_parts_mut(buf.ptr().add(block * bb), bb) })
     }
 
+    /// Copies one block of one layer's K or V out, wherever it lives.
+    ///
+    /// # Safety
+    /// As [`KvStorage::block_bytes_mut`]: no one writes the block meanwhile.
+    pub unsafe fn read_block(
+        &self,
+        layer: usize,
+        part: KvPart,
+        block: usize,
+    ) -> Result<Vec<u8>, KvCacheError> {
+        match &self.device {
+            Some(d) => {
+                self.check_block(layer, block)?;
+                d.read_block(layer, part, block)
+                    .map_err(KvCacheError::Device)
+            }
+            // SAFETY: forwarded to the caller.
+            None => Ok(unsafe { self.block_bytes_mut(layer, part, block) }?.to_vec()),
+        }
+    }
+
+    /// Overwrites one block of one layer's K or V with `bytes`, wherever it lives.
+    ///
+    /// # Safety
+    /// As [`KvStorage::block_bytes_mut`]: the caller owns the block.
+    pub unsafe fn write_block(
+        &self,
+        layer: usize,
+        part: KvPart,
+        block: usize,
+        bytes: &[u8],
+    ) -> Result<(), KvCacheError> {
+        let expected = self.check_block(layer, block)?;
+        if bytes.len() != expected {
+            return Err(KvCacheError::LengthMismatch {
+                expected,
+                got: bytes.len(),
+            });
+        }
+        match &self.device {
+            Some(d) => d
+                .write_block(layer, part, block, bytes)
+                .map_err(KvCacheError::Device),
+            None => {
+                // SAFETY: forwarded to the caller.
+                unsafe { self.block_bytes_mut(layer, part, block) }?.copy_from_slice(bytes);
+                Ok(())
+            }
+        }
+    }
+
+    /// Runs `f` over one block's bytes, wherever they live: in place in host memory, through a
+    /// copy out and back in device memory. Returns `f`'s result.
+    ///
+    /// # Safety
+    /// As [`KvStorage::block_bytes_mut`]: the caller owns the block.
+    pub unsafe fn modify_block<R>(
+        &self,
+        layer: usize,
+        part: KvPart,
+        block: usize,
+        f: impl FnOnce(&mut [u8]) -> R,
+    ) -> Result<R, KvCacheError> {
+        if self.device.is_none() {
+            // SAFETY: forwarded to the caller.
+            return Ok(f(unsafe { self.block_bytes_mut(layer, part, block) }?));
+        }
+        // SAFETY: forwarded to the caller.
+        let mut bytes = unsafe { self.read_block(layer, part, block) }?;
+        let out = f(&mut bytes);
+        // SAFETY: forwarded to the caller.
+        unsafe { self.write_block(layer, part, block, &bytes) }?;
+        Ok(out)
+    }
+
+    /// Checks a (layer, block) pair and returns the block's size.
+    fn check_block(&self, layer: usize, block: usize) -> Result<usize, KvCacheError> {
+        let l = self
+            .layers
+            .get(layer)
+            .ok_or(KvCacheError::LayerOutOfRange {
+                layer,
+                num_layers: self.layers.len(),
+            })?;
+        if block >= l.layout.num_blocks {
+            return Err(KvCacheError::BlockOutOfRange {
+                block,
+                num_blocks: l.layout.num_blocks,
+            });
+        }
+        Ok(l.layout.block_bytes())
+    }
+
+    /// The allocations holding the regions, for registration with a transfer engine (each host
+    /// array is one).
+    pub fn allocations(&self) -> Vec<Allocation> {
+        match &self.device {
+            Some(d) => d.allocations(),
+            None => self
+                .regions()
+                .iter()
+                .map(|r| Allocation {
+                    addr: r.addr,
+                    len: r.len,
+                })
+                .collect(),
+        }
+    }
+
     /// Every array as a memory region, for registration with a transfer engine.
     pub fn regions(&self) -> Vec<MemoryRegion> {
+        if let Some(d) = &self.device {
+            return d.regions();
+        }
         if !self.host {
             return Vec::new();
         }
@@ -319,6 +493,7 @@ impl KvStorage {
                     part,
                     addr: buf.ptr() as usize,
                     len: buf.len,
+                    block_stride: l.layout.block_bytes(),
                 });
             }
         }
@@ -440,5 +615,124 @@ mod tests {
         assert_eq!(r.len(), 4);
         assert_eq!(r.iter().map(|r| r.len).sum::<usize>(), s.total_bytes());
         assert!(r.iter().all(|r| r.addr % 8 == 0));
+    }
+
+    /// Interleaved device-like memory held in a host vector: `[block][layer][K, V][bytes]`.
+    #[derive(Debug)]
+    struct Interleaved {
+        bytes: std::sync::Mutex<Vec<u8>>,
+        block_bytes: usize,
+        layers: usize,
+    }
+
+    impl Interleaved {
+        fn offset(&self, layer: usize, part: KvPart, block: usize) -> usize {
+            let p = usize::from(part == KvPart::V);
+            (block * self.layers * 2 + layer * 2 + p) * self.block_bytes
+        }
+    }
+
+    impl DeviceKvMemory for Interleaved {
+        fn device_id(&self) -> u64 {
+            3
+        }
+        fn regions(&self) -> Vec<MemoryRegion> {
+            let base = 1 << 20;
+            let len = self.bytes.lock().unwrap().len();
+            (0..self.layers)
+                .flat_map(|l| [(l, KvPart::K), (l, KvPart::V)])
+                .map(|(layer, part)| {
+                    let off = self.offset(layer, part, 0);
+                    MemoryRegion {
+                        layer,
+                        part,
+                        addr: base + off,
+                        len: len - off,
+                        block_stride: 2 * self.layers * self.block_bytes,
+                    }
+                })
+                .collect()
+        }
+        fn allocations(&self) -> Vec<Allocation> {
+            vec![Allocation {
+                addr: 1 << 20,
+                len: self.bytes.lock().unwrap().len(),
+            }]
+        }
+        fn read_block(&self, layer: usize, part: KvPart, block: usize) -> Result<Vec<u8>, String> {
+            let o = self.offset(layer, part, block);
+            Ok(self.bytes.lock().unwrap()[o..o + self.block_bytes].to_vec())
+        }
+        fn write_block(
+            &self,
+            layer: usize,
+            part: KvPart,
+            block: usize,
+            bytes: &[u8],
+        ) -> Result<(), String> {
+            let o = self.offset(layer, part, block);
+            self.bytes.lock().unwrap()[o..o + self.block_bytes].copy_from_slice(bytes);
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_storage_on_device_memory_reaches_blocks_through_it() {
+        let cfg = config(CacheDtype::F32);
+        let bb = 4 * 2 * 8 * 4;
+        let mem = Arc::new(Interleaved {
+            bytes: std::sync::Mutex::new(vec![0; 4 * 2 * 2 * bb]),
+            block_bytes: bb,
+            layers: 2,
+        });
+        let s = KvStorage::on_device(&cfg, LayoutOrder::TokenMajor, &[4], mem.clone()).unwrap();
+        assert_eq!(s.memory_kind(), MemoryKind::Device(3));
+        assert_eq!(s.allocations().len(), 1);
+        let regions = s.regions();
+        assert_eq!(regions.len(), 4);
+        assert!(regions.iter().all(|r| r.block_stride == 4 * bb));
+        // Host views still refuse; block copies go through the device memory.
+        assert_eq!(s.layer(0).err(), Some(KvCacheError::NotInHostMemory));
+        unsafe { s.modify_block(1, KvPart::V, 2, |b| b[5] = 7) }.unwrap();
+        assert_eq!(
+            mem.bytes.lock().unwrap()[mem.offset(1, KvPart::V, 2) + 5],
+            7
+        );
+        assert_eq!(unsafe { s.read_block(1, KvPart::V, 2) }.unwrap()[5], 7);
+        assert_eq!(
+            unsafe { s.write_block(0, KvPart::K, 4, &vec![0; bb]) },
+            Err(KvCacheError::BlockOutOfRange {
+                block: 4,
+                num_blocks: 4
+            })
+        );
+        assert_eq!(
+            unsafe { s.write_block(0, KvPart::K, 0, &[1, 2]) },
+            Err(KvCacheError::LengthMismatch {
+                expected: bb,
+                got: 2
+            })
+        );
+        // Memory too small for the layouts is refused.
+        let small = Arc::new(Interleaved {
+            bytes: std::sync::Mutex::new(vec![0; 3 * 2 * 2 * bb]),
+            block_bytes: bb,
+            layers: 2,
+        });
+        let e = KvStorage::on_device(&cfg, LayoutOrder::TokenMajor, &[4], small).unwrap_err();
+        assert!(matches!(e, KvCacheError::Device(_)), "{e}");
+    }
+
+    #[test]
+    fn host_storage_allocations_are_its_arrays() {
+        let s = KvStorage::new(&config(CacheDtype::F32)).unwrap();
+        assert_eq!(s.memory_kind(), MemoryKind::Host);
+        let a = s.allocations();
+        assert_eq!(a.len(), 4);
+        assert!(s
+            .regions()
+            .iter()
+            .zip(&a)
+            .all(|(r, a)| r.addr == a.addr && r.len == a.len && r.block_stride == 4 * 2 * 8 * 4));
     }
 }

@@ -62,6 +62,10 @@ pub trait ChecksumBackend {
     fn checksum(&self, job: &GroupJob<'_>, out: &mut [u64]) -> Result<(), KvChecksumError>;
 }
 
+/// A backend threads share: how a worker whose KV lives on an accelerator hands the checksum
+/// worker its device kernel.
+pub type SharedBackend = std::sync::Arc<dyn ChecksumBackend + Send + Sync>;
+
 /// Byte views of a worker's layers, by index.
 pub trait KvSource {
     /// The K and V of layer `index`, or `None` when there is no such layer.

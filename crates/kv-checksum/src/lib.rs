@@ -63,7 +63,7 @@ pub mod worker;
 
 pub use backend::{
     check_block, check_layer_shape, BlockJob, ChecksumBackend, CpuBackend, GroupJob, KvSource,
-    LayerJob,
+    LayerJob, SharedBackend,
 };
 pub use definition::{
     head_factor, layer_fingerprint, piece_weight, pieces_per_token, MAX_KV_HEADS_PER_LAYER,

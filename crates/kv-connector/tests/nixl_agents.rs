@@ -479,3 +479,127 @@ fn blocks_of_different_sizes_are_regrouped_by_the_side_with_the_larger_ones() {
     }
     assert_blocks_zero(&c_mem, (0..32).filter(|b| ![4, 20].contains(b)));
 }
+
+/// A side whose blocks hold every layer's K and V together (`[block][layer][K, V][bytes]`), as
+/// a GPU's block-major cache does: 3 layers, 8 blocks of 16 tokens x 2 heads x 64 bf16.
+struct BlockMajor {
+    words: Vec<u64>,
+    layout: tandem_kv_cache::BlockLayout,
+    layers: usize,
+}
+
+impl BlockMajor {
+    fn new(seed: u64) -> Self {
+        let layout = tandem_kv_cache::BlockLayout::token_major(8, 16, 2, 64, CacheDtype::Bf16);
+        let layers = 3;
+        let words = (0..8 * layers * 2 * layout.block_bytes() / 8)
+            .map(|i| {
+                if seed == 0 {
+                    0
+                } else {
+                    (i as u64 + 1).wrapping_mul(seed | 1)
+                }
+            })
+            .collect();
+        BlockMajor {
+            words,
+            layout,
+            layers,
+        }
+    }
+    fn base(&self) -> usize {
+        self.words.as_ptr() as usize
+    }
+    fn offset(&self, layer: usize, part: KvPart, block: usize) -> usize {
+        let bb = self.layout.block_bytes();
+        (block * 2 * self.layers + 2 * layer + usize::from(part == KvPart::V)) * bb
+    }
+    fn bytes(&self, layer: usize, part: KvPart, block: usize) -> &[u8] {
+        let all: &[u8] = bytemuck_bytes(&self.words);
+        let o = self.offset(layer, part, block);
+        &all[o..o + self.layout.block_bytes()]
+    }
+    fn agent(&self, engine: &str) -> tandem_kv_connector::nixl::NixlAgent {
+        use tandem_kv_cache::{Allocation, MemoryKind, MemoryRegion};
+        let total = self.words.len() * 8;
+        let stride = 2 * self.layers * self.layout.block_bytes();
+        let region = |layer, part| {
+            let off = self.offset(layer, part, 0);
+            MemoryRegion {
+                layer,
+                part,
+                addr: self.base() + off,
+                len: total - off,
+                block_stride: stride,
+            }
+        };
+        let layers = (0..self.layers)
+            .map(|l| tandem_kv_connector::nixl::KvLayerMemory {
+                name: format!("model.layers.{l}.self_attn"),
+                layout: self.layout,
+                k: region(l, KvPart::K),
+                v: region(l, KvPart::V),
+                tp_rank: 0,
+                pp_rank: 0,
+                kv_heads: vec![0, 1],
+                kv_replica: 0,
+                group: 0,
+                memory: MemoryKind::Host,
+            })
+            .collect();
+        let alloc = Allocation {
+            addr: self.base(),
+            len: total,
+        };
+        // SAFETY: the test keeps `self` alive (and unmoved) past the agent and its transfers.
+        unsafe {
+            tandem_kv_connector::nixl::NixlAgent::with_memory(
+                NixlAgentConfig::new(engine, MODEL),
+                layers,
+                vec![alloc],
+            )
+        }
+        .expect("NIXL agent")
+    }
+}
+
+fn bytemuck_bytes(words: &[u64]) -> &[u8] {
+    // SAFETY: u64 has no padding; the byte view covers exactly the words' memory.
+    unsafe { std::slice::from_raw_parts(words.as_ptr().cast(), words.len() * 8) }
+}
+
+#[test]
+fn block_major_memory_moves_each_run_of_blocks_as_one_descriptor() {
+    let p_mem = BlockMajor::new(0x9e37_79b9);
+    let c_mem = BlockMajor::new(0);
+    let producer = p_mem.agent("prefill");
+    let consumer = c_mem.agent("decode");
+    let hs = producer.handshake().unwrap();
+    assert_eq!(hs.layers[1].block_stride, 6 * p_mem.layout.block_bytes());
+    let peer = connect(&consumer, &producer);
+    // Remote 1, 2, 3 -> local 4, 5, 6 (one run of three whole blocks), remote 6 -> local 0.
+    let (remote, local) = ([2, 6, 1, 3], [5, 0, 4, 6]);
+    let stats = consumer
+        .read_blocks(&peer, &local, &remote, None)
+        .unwrap()
+        .wait(TIMEOUT)
+        .unwrap();
+    assert_eq!(stats.descriptors, 2);
+    assert_eq!(stats.bytes, (4 * 3 * 2 * p_mem.layout.block_bytes()) as u64);
+    for layer in 0..3 {
+        for part in [KvPart::K, KvPart::V] {
+            for (&r, &l) in remote.iter().zip(&local) {
+                assert_eq!(
+                    c_mem.bytes(layer, part, l),
+                    p_mem.bytes(layer, part, r),
+                    "layer {layer} {part:?} block {l}"
+                );
+            }
+            for untouched in [1, 2, 3, 7] {
+                assert!(c_mem.bytes(layer, part, untouched).iter().all(|&b| b == 0));
+            }
+        }
+    }
+    drop(consumer);
+    drop(producer);
+}

@@ -173,7 +173,7 @@ pub fn build_instance(
         parallel,
         ..Default::default()
     };
-    let loaded = load_for_device(device, &spec, &opts, args, cache_dtype, transfer.is_some())
+    let loaded = load_for_device(device, &spec, &opts, args, cache_dtype)
         .with_context(|| format!("loading model `{spec}`"))?;
     let loaded_path = loaded.path.display().to_string();
     let world = loaded.world;
@@ -228,6 +228,9 @@ pub fn build_instance(
     let group_blocks = |groups: &[tandem_kv_cache::KvCacheGroup]| -> Vec<usize> {
         groups.iter().map(|g| pools.blocks_of(g.group_id)).collect()
     };
+    // A GPU instance's checksum kernel (the CPU computes them otherwise).
+    #[allow(unused_mut)]
+    let mut device_checksums: Option<tandem_kv_checksum::SharedBackend> = None;
     let (models, storages): (Vec<Arc<dyn tandem_models::CausalLm>>, Vec<Arc<KvStorage>>) =
         match loaded.ranks {
             Ranks::Cpu(models) => {
@@ -258,7 +261,14 @@ pub fn build_instance(
                     },
                 )?;
                 let config = KvCacheConfig { num_blocks, groups };
-                let storage = KvStorage::elsewhere(&config, kv_order, &blocks)?;
+                // The engine's storage describes the device cache and reaches it (NIXL
+                // registers its VRAM; fault injection copies blocks); the checksums run on the
+                // GPU's kernel.
+                let cache = model.decoder.cache().clone();
+                let storage =
+                    KvStorage::on_device(&config, kv_order, &blocks, Arc::new(cache.clone()))?;
+                device_checksums =
+                    Some(Arc::new(tandem_kernels::cuda::DeviceChecksums::new(cache)?));
                 (vec![Arc::new(model)], vec![Arc::new(storage)])
             }
         };
@@ -359,12 +369,18 @@ pub fn build_instance(
         }
     }
     let mut worker: Box<dyn Worker> = match world {
-        None => Box::new(ModelWorker::new(
-            models[0].clone(),
-            storages[0].clone(),
-            args.block_size,
-            connector_worker,
-        )?),
+        None => {
+            let worker = ModelWorker::new(
+                models[0].clone(),
+                storages[0].clone(),
+                args.block_size,
+                connector_worker,
+            )?;
+            Box::new(match device_checksums {
+                Some(backend) => worker.with_checksum_backend(backend),
+                None => worker,
+            })
+        }
         Some(world) => {
             let ranks = models
                 .into_iter()
@@ -449,14 +465,13 @@ struct LoadedForEngine {
 }
 
 /// Loads the model for `device`: on the CPU every rank's shard; for a GPU the files, checked,
-/// and the GPU opened (a GPU instance runs one whole model and no KV transfer yet).
+/// and the GPU opened (a GPU instance runs one whole model).
 fn load_for_device(
     device: ModelDevice,
     spec: &str,
     opts: &LoadOptions,
     args: &ServeArgs,
     cache_dtype: CacheDtype,
-    transfer: bool,
 ) -> anyhow::Result<LoadedForEngine> {
     match device {
         ModelDevice::Cpu => {
@@ -478,12 +493,6 @@ fn load_for_device(
             })
         }
         ModelDevice::Cuda(ordinal) => {
-            if transfer {
-                bail!(
-                    "--kv-transfer-config with --device cuda: KV transfer from GPU memory is not \
-                     supported yet; run P/D instances on the CPU"
-                );
-            }
             if cache_dtype != CacheDtype::Bf16 {
                 bail!("--device cuda keeps its KV cache in bf16 (--kv-cache-dtype auto or bf16)");
             }

@@ -126,13 +126,31 @@ fn init_tracing(format: LogFormat) {
     }
 }
 
+/// KV in GPU memory moves over UCX's CUDA IPC transport between processes on one host. UCX
+/// turns its zero-copy GETs (NIXL READs, pull mode) off where it sees no NVLink (one GPU, PCIe)
+/// and falls back to TCP at ~0.5 GB/s; READs then need `UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y`, which
+/// Tandem sets unless the environment says otherwise (the NIXL agent logs the value in use).
+fn gpu_transport_env() {
+    const VAR: &str = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY";
+    if std::env::var_os(VAR).is_none() {
+        // Before any thread exists (main's first steps): no concurrent getenv.
+        std::env::set_var(VAR, "y");
+    }
+}
+
 fn main() -> anyhow::Result<()> {
     // Before any thread exists: the config file becomes environment variables.
     preload_config_file()?;
     let cli = Cli::parse();
-    // Also before any thread: `auto` becomes the address a producer advertises.
+    // Also before any thread: `auto` becomes the address a producer advertises, and a GPU
+    // instance gets the UCX settings its KV transfers need.
     let advertised = match &cli.command {
-        Command::Serve { .. } => tandem_server::advertise::resolve_auto()?,
+        Command::Serve { args, .. } => {
+            if args.device.starts_with("cuda") {
+                gpu_transport_env();
+            }
+            tandem_server::advertise::resolve_auto()?
+        }
         _ => None,
     };
     match cli.command {

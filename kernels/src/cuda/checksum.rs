@@ -246,7 +246,7 @@ pub struct PendingChecksums {
     host: Option<PinnedHostSlice<u64>>,
     done: CudaEvent,
     _out: CudaSlice<u64>,
-    _memory: Arc<Vec<CudaSlice<u8>>>,
+    _memory: Arc<Vec<super::kv_cache::DeviceArray>>,
     pool: Arc<Mutex<Vec<PinnedHostSlice<u64>>>>,
 }
 
@@ -418,6 +418,35 @@ fn layer_groups(launch: &Launch) -> u32 {
 
 fn invalid(what: &str) -> KernelError {
     KernelError::Checksum(KvChecksumError::InvalidJob(what.to_string()))
+}
+
+/// The checksum kernel over one device cache, owned: what the engine's checksum worker is given
+/// for a GPU instance (its side thread and its step share it). Each job launches on the side
+/// stream after the engine stream's queued work and waits for its own result.
+#[derive(Debug)]
+pub struct DeviceChecksums {
+    checksums: CudaChecksums,
+    cache: DeviceKvCache,
+}
+
+impl DeviceChecksums {
+    /// Loads the kernel for `cache`'s device.
+    pub fn new(cache: DeviceKvCache) -> Result<Self, KernelError> {
+        Ok(DeviceChecksums {
+            checksums: CudaChecksums::new(cache.device())?,
+            cache,
+        })
+    }
+}
+
+impl ChecksumBackend for DeviceChecksums {
+    fn checksum(&self, job: &GroupJob<'_>, out: &mut [u64]) -> Result<(), KvChecksumError> {
+        CudaBackend {
+            checksums: &self.checksums,
+            cache: &self.cache,
+        }
+        .checksum(job, out)
+    }
 }
 
 /// [`ChecksumBackend`] over a device cache: launches and waits (for callers that want the values

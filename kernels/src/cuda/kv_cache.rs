@@ -8,15 +8,19 @@
 //! descriptor costs about 10 us on the H200). Attention reads a layer's block at a stride of
 //! `layers * 2 * block_bytes` instead of `block_bytes`: the same bytes per block, farther apart.
 //!
+//! The arrays are `cuMemAlloc` allocations, not the stream-ordered pool's that other device
+//! buffers use: CUDA IPC (how NIXL's UCX backend moves KV between processes on one host) exports
+//! only the former.
+//!
 //! Invariants: the memory lives as long as any clone of the cache's [`Arc`] (pending kernels hold
 //! one); [`DeviceLayer`] addresses stay inside it for every block id `< num_blocks`.
 
 use std::sync::Arc;
 
-use cudarc::driver::{result, CudaSlice};
-use tandem_kv_cache::BlockLayout;
+use cudarc::driver::{result, CudaContext};
+use tandem_kv_cache::{Allocation, BlockLayout, DeviceKvMemory, KvPart, MemoryRegion};
 
-use super::{address, Device};
+use super::Device;
 use crate::KernelError;
 
 /// How the cache blocks of the layers are placed in device memory.
@@ -44,7 +48,43 @@ pub struct DeviceKvCache {
     layout: BlockLayout,
     arrangement: KvArrangement,
     layers: Vec<DeviceLayer>,
-    memory: Arc<Vec<CudaSlice<u8>>>,
+    memory: Arc<Vec<DeviceArray>>,
+}
+
+/// One `cuMemAlloc` allocation, freed on drop (after the device's work on it: its owners keep it
+/// alive until then).
+#[derive(Debug)]
+pub(crate) struct DeviceArray {
+    addr: u64,
+    len: usize,
+    ctx: Arc<CudaContext>,
+}
+
+impl DeviceArray {
+    /// `len` zeroed bytes.
+    fn zeroed(ctx: &Arc<CudaContext>, len: usize) -> Result<Self, KernelError> {
+        ctx.bind_to_thread()?;
+        // SAFETY: a plain allocation of `len` bytes, then a memset of exactly those bytes.
+        let addr = unsafe { result::malloc_sync(len.max(1)) }?;
+        let array = DeviceArray {
+            addr,
+            len,
+            ctx: ctx.clone(),
+        };
+        // SAFETY: `addr .. addr + len` is the allocation just made.
+        unsafe { result::memset_d8_sync(addr, 0, len) }?;
+        Ok(array)
+    }
+}
+
+impl Drop for DeviceArray {
+    fn drop(&mut self) {
+        // Every user of the memory holds the Arc that owns this array, so none is left.
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: allocated by malloc_sync, freed once.
+            let _ = unsafe { result::free_sync(self.addr) };
+        }
+    }
 }
 
 impl DeviceKvCache {
@@ -65,10 +105,10 @@ impl DeviceKvCache {
         }
         let bb = layout.block_bytes() as u64;
         let stream = device.stream();
-        let alloc = |bytes: u64| -> Result<CudaSlice<u8>, KernelError> {
+        let alloc = |bytes: u64| -> Result<DeviceArray, KernelError> {
             let bytes = usize::try_from(bytes)
                 .map_err(|_| KernelError::Cache("cache size overflows".into()))?;
-            Ok(stream.alloc_zeros::<u8>(bytes)?)
+            DeviceArray::zeroed(device.context(), bytes)
         };
         let arrays = (layout.num_blocks as u64)
             .checked_mul(bb)
@@ -81,8 +121,8 @@ impl DeviceKvCache {
                     let k = alloc(arrays)?;
                     let v = alloc(arrays)?;
                     layers.push(DeviceLayer {
-                        k: address(&k, device),
-                        v: address(&v, device),
+                        k: k.addr,
+                        v: v.addr,
                         block_stride: bb,
                         layout,
                     });
@@ -96,7 +136,7 @@ impl DeviceKvCache {
                     .checked_mul(2 * num_layers as u64)
                     .ok_or_else(|| KernelError::Cache("cache size overflows".into()))?;
                 let all = alloc(total)?;
-                let base = address(&all, device);
+                let base = all.addr;
                 let block_stride = 2 * num_layers as u64 * bb;
                 let layers = (0..num_layers as u64)
                     .map(|l| DeviceLayer {
@@ -137,7 +177,7 @@ impl DeviceKvCache {
     }
 
     /// Keeps the memory alive (for work queued on a stream that reads it).
-    pub(crate) fn keep_alive(&self) -> Arc<Vec<CudaSlice<u8>>> {
+    pub(crate) fn keep_alive(&self) -> Arc<Vec<DeviceArray>> {
         self.memory.clone()
     }
 
@@ -206,11 +246,72 @@ impl DeviceKvCache {
     /// Fills every byte of the cache with a reproducible pattern from `seed` (on the device).
     pub fn fill_pattern(&self, seed: u64) -> Result<(), KernelError> {
         let fill = super::testing::Testing::load(&self.device)?;
-        for slice in self.memory.iter() {
-            let addr = address(slice, &self.device);
-            fill.fill_hash(addr, slice.len() / 8, seed ^ addr)?;
+        for array in self.memory.iter() {
+            fill.fill_hash(array.addr, array.len / 8, seed ^ array.addr)?;
         }
         self.device.stream().synchronize()?;
         Ok(())
+    }
+}
+
+/// The engine's storage reaches the device cache through this: its regions and allocations (what
+/// NIXL registers as VRAM) and single-block copies (fault injection).
+impl DeviceKvMemory for DeviceKvCache {
+    fn device_id(&self) -> u64 {
+        self.device.ordinal() as u64
+    }
+
+    fn regions(&self) -> Vec<MemoryRegion> {
+        let allocations = self.allocations();
+        // A region runs from its first block to the end of the allocation holding it.
+        let end_of = |addr: usize| {
+            allocations
+                .iter()
+                .find(|a| (a.addr..a.addr + a.len).contains(&addr))
+                .map_or(addr, |a| a.addr + a.len)
+        };
+        self.layers
+            .iter()
+            .enumerate()
+            .flat_map(|(layer, l)| [(layer, KvPart::K, l.k, l), (layer, KvPart::V, l.v, l)])
+            .map(|(layer, part, addr, l)| MemoryRegion {
+                layer,
+                part,
+                addr: addr as usize,
+                len: end_of(addr as usize) - addr as usize,
+                block_stride: l.block_stride as usize,
+            })
+            .collect()
+    }
+
+    fn allocations(&self) -> Vec<Allocation> {
+        self.memory
+            .iter()
+            .map(|array| Allocation {
+                addr: array.addr as usize,
+                len: array.len,
+            })
+            .collect()
+    }
+
+    fn read_block(&self, layer: usize, part: KvPart, block: usize) -> Result<Vec<u8>, String> {
+        let (k, v) = DeviceKvCache::read_block(self, layer, block).map_err(|e| e.to_string())?;
+        Ok(if part == KvPart::K { k } else { v })
+    }
+
+    fn write_block(
+        &self,
+        layer: usize,
+        part: KvPart,
+        block: usize,
+        bytes: &[u8],
+    ) -> Result<(), String> {
+        let (mut k, mut v) =
+            DeviceKvCache::read_block(self, layer, block).map_err(|e| e.to_string())?;
+        match part {
+            KvPart::K => k = bytes.to_vec(),
+            KvPart::V => v = bytes.to_vec(),
+        }
+        DeviceKvCache::write_block(self, layer, block, &k, &v).map_err(|e| e.to_string())
     }
 }

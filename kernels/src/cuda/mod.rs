@@ -15,7 +15,9 @@ use cudarc::driver::{CudaContext, CudaModule, CudaSlice, CudaStream, DevicePtr};
 use cudarc::nvrtc::Ptx;
 
 pub use blas::{Blas, Output};
-pub use checksum::{CudaBackend, CudaChecksums, PendingChecksums, MAX_BLOCKS_PER_LAUNCH};
+pub use checksum::{
+    CudaBackend, CudaChecksums, DeviceChecksums, PendingChecksums, MAX_BLOCKS_PER_LAUNCH,
+};
 pub use cudarc::driver::CudaEvent;
 pub use decoder::{
     bf16_bits, bf16_to_f32, DecoderShape, GpuDecoder, OwnedStep, StepInput, Tensor, Weights,
@@ -30,6 +32,7 @@ use crate::KernelError;
 pub struct Device {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
+    ordinal: usize,
 }
 
 impl Device {
@@ -46,7 +49,16 @@ impl Device {
         }
         let ctx = CudaContext::new(ordinal)?;
         let stream = ctx.new_stream()?;
-        Ok(Device { ctx, stream })
+        Ok(Device {
+            ctx,
+            stream,
+            ordinal,
+        })
+    }
+
+    /// The GPU's ordinal on this host.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
     }
 
     pub fn context(&self) -> &Arc<CudaContext> {

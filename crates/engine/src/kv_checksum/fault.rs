@@ -67,14 +67,13 @@ pub unsafe fn inject(
             let (ba, bb) = (g.block_ids[a], g.block_ids[b]);
             for &l in layers {
                 for part in [KvPart::K, KvPart::V] {
-                    // SAFETY: the caller owns both blocks; they differ, so the slices do not alias.
-                    let (x, y) = unsafe {
-                        (
-                            storage.block_bytes_mut(l, part, ba).ok()?,
-                            storage.block_bytes_mut(l, part, bb).ok()?,
-                        )
-                    };
-                    x.swap_with_slice(y);
+                    // SAFETY: the caller owns both blocks; one copy at a time.
+                    unsafe {
+                        let x = storage.read_block(l, part, ba).ok()?;
+                        let y = storage.read_block(l, part, bb).ok()?;
+                        storage.write_block(l, part, ba, &y).ok()?;
+                        storage.write_block(l, part, bb, &x).ok()?;
+                    }
                 }
             }
             Some(format!(
@@ -92,15 +91,17 @@ pub unsafe fn inject(
                     for &l in layers {
                         let dtype = storage.layout(l).dtype;
                         for part in [KvPart::K, KvPart::V] {
-                            // SAFETY: the caller owns the block; one slice at a time.
-                            let dst = unsafe { storage.block_bytes_mut(l, part, block).ok()? };
                             // Plausible KV of some other request: small values in the cache dtype.
-                            values.clear();
-                            values.extend(
-                                (0..dst.len() / dtype.size())
-                                    .map(|_| (rng.unit() * 4.0 - 2.0) as f32),
-                            );
-                            dtype.encode(&values, dst);
+                            let overwrite = |dst: &mut [u8]| {
+                                values.clear();
+                                values.extend(
+                                    (0..dst.len() / dtype.size())
+                                        .map(|_| (rng.unit() * 4.0 - 2.0) as f32),
+                                );
+                                dtype.encode(&values, dst);
+                            };
+                            // SAFETY: the caller owns the block; one at a time.
+                            unsafe { storage.modify_block(l, part, block, overwrite).ok()? };
                         }
                     }
                     count += 1;
@@ -157,8 +158,7 @@ fn corrupt_byte(
     let bit = rng.below(8);
     let offset = layout.row_offset(block, slot, head) - block * layout.block_bytes() + byte;
     // SAFETY: the caller owns the block (see `inject`).
-    let bytes = unsafe { storage.block_bytes_mut(layer, part, block).ok()? };
-    bytes[offset] ^= 1 << bit;
+    unsafe { storage.modify_block(layer, part, block, |b| b[offset] ^= 1 << bit) }.ok()?;
     Some(format!(
         "flipped bit {bit} of {part:?} byte {byte} of head {head}, token {} in layer {} ({}), \
          block {block} (position {pos}) of group {}",

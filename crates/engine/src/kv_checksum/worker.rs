@@ -9,6 +9,9 @@
 //!    configured fault into each load reported finished (not failed), checksum it synchronously,
 //!    before any later forward can write its blocks, and collect the side thread's records.
 //!
+//! The checksums run on the CPU over host storage, or on the backend the worker was given
+//! ([`ChecksumWorker::set_backend`]: a GPU's kernel over its device cache), with the same jobs.
+//!
 //! Invariants: every send job is answered by exactly one record, even if its computation
 //! panicked or the thread died (a record whose groups failed, which the scheduler treats as
 //! unverified); the side thread only reads blocks the scheduler holds for it; a load's job is
@@ -23,8 +26,8 @@ use std::time::Instant;
 
 use tandem_kv_cache::{KvCacheConfig, KvCacheGroup, KvStorage};
 use tandem_kv_checksum::{
-    ChecksumRequest, CpuBackend, GroupOutcome, GroupRecord, HeadPlacement, ReplicaKey,
-    RequestRecord, Role, WorkerChecksums, WorkerId,
+    ChecksumBackend, ChecksumRequest, CpuBackend, GroupOutcome, GroupRecord, HeadPlacement,
+    ReplicaKey, RequestRecord, Role, SharedBackend, WorkerChecksums, WorkerId,
 };
 use tandem_kv_connector::base::ConnectorOutput;
 use tandem_parallel::{KvHeadSlice, RankId};
@@ -36,6 +39,8 @@ use crate::scheduler_output::{ChecksumJob, ChecksumRecord, ChecksumSide, Checksu
 /// The checksum side of one worker. See the module docs.
 pub struct ChecksumWorker {
     storage: Arc<KvStorage>,
+    /// Computes the checksums: the CPU over `storage`, unless a device backend was given.
+    backend: Backend,
     setup: Arc<WorkerChecksums>,
     /// Loads announced by the scheduler, until the connector reports them.
     loads: HashMap<u64, ChecksumJob>,
@@ -58,12 +63,19 @@ impl ChecksumWorker {
     /// A worker over `storage` with its checksum setup (which layers, which global heads).
     pub fn new(setup: WorkerChecksums, storage: Arc<KvStorage>) -> Self {
         ChecksumWorker {
+            backend: Backend::Cpu(storage.clone()),
             storage,
             setup: Arc::new(setup),
             loads: HashMap::new(),
             side: None,
             announced: false,
         }
+    }
+
+    /// Computes the checksums with `backend` (a device kernel over the memory `storage`
+    /// describes) instead of the CPU.
+    pub fn set_backend(&mut self, backend: SharedBackend) {
+        self.backend = Backend::Shared(backend);
     }
 
     /// Logs, once and only when checksums are in use, the groups this worker cannot checksum.
@@ -151,7 +163,7 @@ impl ChecksumWorker {
         }
         let side = self
             .side
-            .get_or_insert_with(|| SideThread::spawn(self.storage.clone(), self.setup.clone()));
+            .get_or_insert_with(|| SideThread::spawn(self.backend.clone(), self.setup.clone()));
         side.submit(work.sends.clone());
     }
 
@@ -190,8 +202,9 @@ impl ChecksumWorker {
                     );
                 }
             }
-            let backend = CpuBackend::new(self.storage.as_ref());
-            let record = self.setup.checksum(&backend, Role::Consumer, &job.blocks);
+            let record = self
+                .backend
+                .with(|b| self.setup.checksum(b, Role::Consumer, &job.blocks));
             out.push(ChecksumRecord {
                 request_id: job.request_id,
                 generation: job.generation,
@@ -223,6 +236,24 @@ impl ChecksumWorker {
     }
 }
 
+/// What computes a worker's checksums.
+#[derive(Clone)]
+enum Backend {
+    /// The CPU, over host storage.
+    Cpu(Arc<KvStorage>),
+    /// A backend the worker was given (a device kernel).
+    Shared(SharedBackend),
+}
+
+impl Backend {
+    fn with<R>(&self, f: impl FnOnce(&dyn ChecksumBackend) -> R) -> R {
+        match self {
+            Backend::Cpu(storage) => f(&CpuBackend::new(storage.as_ref())),
+            Backend::Shared(b) => f(b.as_ref()),
+        }
+    }
+}
+
 /// A record whose every group failed: the scheduler treats it as unverified.
 fn failed_record(setup: &WorkerChecksums, request: &ChecksumRequest, why: &str) -> RequestRecord {
     RequestRecord {
@@ -249,7 +280,7 @@ struct SideThread {
 }
 
 impl SideThread {
-    fn spawn(storage: Arc<KvStorage>, setup: Arc<WorkerChecksums>) -> SideThread {
+    fn spawn(backend: Backend, setup: Arc<WorkerChecksums>) -> SideThread {
         let (jobs_tx, jobs_rx) = mpsc::channel::<Vec<ChecksumJob>>();
         let (rec_tx, rec_rx) = mpsc::channel();
         let worker = setup.worker();
@@ -258,7 +289,7 @@ impl SideThread {
                 "tandem-kv-checksum-{}-{}",
                 worker.tp_rank, worker.pp_rank
             ))
-            .spawn(move || run_sends(storage, setup, jobs_rx, rec_tx))
+            .spawn(move || run_sends(backend, setup, jobs_rx, rec_tx))
             .map_err(|e| tracing::error!("cannot start the KV checksum thread: {e}"))
             .ok();
         SideThread {
@@ -320,7 +351,7 @@ impl Drop for SideThread {
 }
 
 fn run_sends(
-    storage: Arc<KvStorage>,
+    backend: Backend,
     setup: Arc<WorkerChecksums>,
     jobs: Receiver<Vec<ChecksumJob>>,
     records: Sender<ChecksumRecord>,
@@ -328,9 +359,8 @@ fn run_sends(
     while let Ok(batch) = jobs.recv() {
         let started = Instant::now();
         for job in batch {
-            let backend = CpuBackend::new(storage.as_ref());
             let record = std::panic::catch_unwind(AssertUnwindSafe(|| {
-                setup.checksum(&backend, Role::Producer, &job.blocks)
+                backend.with(|b| setup.checksum(b, Role::Producer, &job.blocks))
             }))
             .unwrap_or_else(|_| {
                 failed_record(&setup, &job.blocks, "checksum computation panicked")

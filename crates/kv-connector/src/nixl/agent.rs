@@ -1,8 +1,9 @@
 //! [`NixlAgent`]: one NIXL agent with a UCX backend over one worker's KV memory, and the peers it
 //! has completed a handshake with.
 //!
-//! On creation the agent registers every layer's K and V array (DRAM) and prepares, once, a
-//! local descriptor list with one descriptor per block of every array. [`NixlAgent::add_peer`]
+//! On creation the agent registers the allocations holding every layer's K and V array (host
+//! DRAM: each array; a GPU's VRAM: the device cache's allocations) and prepares, once, a local
+//! descriptor list with one descriptor per block of every array. [`NixlAgent::add_peer`]
 //! checks a peer's [`NixlHandshake`] against ours, loads its metadata and prepares the peer's
 //! list the same way ("prepared once per peer"); transfers are then `make_xfer_req` over index
 //! lists (see `transfer.rs`).
@@ -28,7 +29,7 @@ use nixl_sys::{
     Agent, AgentConfig, MemType, NixlDescriptor, NotificationMap, RegistrationHandle, ThreadSync,
     XferDescList, XferDlistHandle,
 };
-use tandem_kv_cache::{BlockLayout, KvPart, KvStorage, MemoryRegion};
+use tandem_kv_cache::{Allocation, BlockLayout, KvPart, KvStorage, MemoryKind, MemoryRegion};
 
 use super::descriptors::{DescTable, RegionGeometry};
 use super::handshake::{HandshakeMismatch, LayerInfo, NixlHandshake, RegionInfo};
@@ -109,6 +110,8 @@ pub struct KvLayerMemory {
     pub kv_replica: u32,
     /// The KV cache group of the layer (its block table).
     pub group: usize,
+    /// Where its arrays live.
+    pub memory: MemoryKind,
 }
 
 /// The layers of every worker's storage, worker by worker, each in storage order.
@@ -151,19 +154,22 @@ pub fn storage_layers(storage: &KvStorage) -> Vec<KvLayerMemory> {
                 kv_heads: (0..layout.num_kv_heads as u32).collect(),
                 kv_replica: 0,
                 group: storage.layer_group(layer),
+                memory: storage.memory_kind(),
             }
         })
         .collect()
 }
 
-/// A DRAM region in the shape `nixl_sys` registers.
+/// A region of host or device memory in the shape `nixl_sys` registers.
 #[derive(Debug)]
-struct DramRegion {
+struct Registered {
     addr: usize,
     len: usize,
+    mem: MemType,
+    device: u64,
 }
 
-impl nixl_sys::MemoryRegion for DramRegion {
+impl nixl_sys::MemoryRegion for Registered {
     unsafe fn as_ptr(&self) -> *const u8 {
         self.addr as *const u8
     }
@@ -172,24 +178,47 @@ impl nixl_sys::MemoryRegion for DramRegion {
     }
 }
 
-impl NixlDescriptor for DramRegion {
+impl NixlDescriptor for Registered {
     fn mem_type(&self) -> MemType {
-        MemType::Dram
+        self.mem
     }
     fn device_id(&self) -> u64 {
-        0
+        self.device
     }
 }
 
-/// Builds a DRAM descriptor list over `table` and prepares it for `agent_name` ("" = local).
+/// NIXL's name for a kind of memory, and the device id its descriptors carry.
+fn nixl_memory(kind: MemoryKind) -> (MemType, u64) {
+    match kind {
+        MemoryKind::Host => (MemType::Dram, 0),
+        MemoryKind::Device(d) => (MemType::Vram, d),
+    }
+}
+
+/// The one kind of memory every layer of a side lives in (a side never mixes DRAM and VRAM).
+fn side_memory(kinds: impl IntoIterator<Item = MemoryKind>) -> Result<MemType, KvConnectorError> {
+    let mut types = kinds.into_iter().map(|k| nixl_memory(k).0);
+    let first = types.next().unwrap_or(MemType::Dram);
+    if types.any(|t| t != first) {
+        return Err(KvConnectorError::InvalidRegions(
+            "the KV memory mixes host and device arrays".into(),
+        ));
+    }
+    Ok(first)
+}
+
+/// Builds a descriptor list of `mem` over `table` and prepares it for `agent_name` ("" = local).
 fn prepare_dlist(
     agent: &Agent,
     agent_name: &str,
     table: &DescTable,
+    mem: MemType,
 ) -> Result<XferDlistHandle, nixl_sys::NixlError> {
-    let mut list = XferDescList::new(MemType::Dram)?;
-    for (addr, len) in table.descriptors() {
-        list.add_desc(addr, len, 0);
+    let mut list = XferDescList::new(mem)?;
+    for r in table.regions() {
+        for b in 0..r.num_blocks {
+            list.add_desc(r.desc_addr(b), r.block_bytes, r.device);
+        }
     }
     agent.prepare_xfer_dlist(agent_name, &list, None)
 }
@@ -202,6 +231,7 @@ pub(crate) struct LocalSide {
     split: SplitLists,
     registrations: Vec<RegistrationHandle>,
     pub(crate) table: DescTable,
+    pub(crate) mem: MemType,
     pub(crate) agent: Agent,
     _memory: Vec<Arc<KvStorage>>,
 }
@@ -218,7 +248,8 @@ impl LocalSide {
 
     /// The local memory as blocks `ratio` times smaller, prepared once per ratio.
     pub(crate) fn split_list(&self, ratio: usize) -> Result<Arc<SplitList>, KvConnectorError> {
-        self.split.get(&self.agent, "", &self.table, ratio)
+        self.split
+            .get(&self.agent, "", &self.table, self.mem, ratio)
     }
 }
 
@@ -251,6 +282,7 @@ impl SplitLists {
         agent: &Agent,
         agent_name: &str,
         table: &DescTable,
+        mem: MemType,
         factor: usize,
     ) -> Result<Arc<SplitList>, KvConnectorError> {
         let mut lists = self.0.lock().unwrap_or_else(|e| e.into_inner());
@@ -258,7 +290,7 @@ impl SplitLists {
             return Ok(l.clone());
         }
         let table = table.split(factor)?;
-        let dlist = prepare_dlist(agent, agent_name, &table)
+        let dlist = prepare_dlist(agent, agent_name, &table, mem)
             .map_err(|e| nixl_err("split descriptor list preparation", e))?;
         let list = Arc::new(SplitList { dlist, table });
         lists.insert(factor, list.clone());
@@ -281,6 +313,7 @@ pub(crate) struct PeerEntry {
     pub(crate) block_size: usize,
     metadata: Vec<u8>,
     pub(crate) table: DescTable,
+    mem: MemType,
     /// How our regions pair with the peer's, when our blocks are a multiple of its (we can move
     /// bytes with it); `None` otherwise.
     pub(crate) pairing: Option<Pairing>,
@@ -300,7 +333,8 @@ impl PeerEntry {
 
     /// The peer's memory as `units` units per block, prepared once per count.
     pub(crate) fn split_list(&self, units: usize) -> Result<Arc<SplitList>, KvConnectorError> {
-        self.split.get(&self.agent, &self.name, &self.table, units)
+        self.split
+            .get(&self.agent, &self.name, &self.table, self.mem, units)
     }
 }
 
@@ -373,28 +407,41 @@ impl NixlAgent {
             config.tp_size = ranks.iter().map(|r| r.tp_rank + 1).max().unwrap_or(1);
             config.tp_rank = 0;
         }
+        let allocations = ranks
+            .iter()
+            .flat_map(|r| {
+                let kind = r.storage.memory_kind();
+                r.storage.allocations().into_iter().map(move |a| (a, kind))
+            })
+            .collect();
         let memory = ranks.into_iter().map(|r| r.storage).collect();
         // SAFETY: the agent and its transfers hold every storage, so the memory outlives them.
-        unsafe { Self::create(config, layers, memory) }
+        unsafe { Self::create(config, layers, allocations, memory) }
     }
 
-    /// Creates an agent over memory the caller owns.
+    /// Creates an agent over memory the caller owns: `layers` lying in `allocations` (what is
+    /// registered), all in the memory the layers name.
     ///
     /// # Safety
-    /// Every region in `layers` must stay allocated, and must not be freed or moved, until this
-    /// agent and every [`super::TransferHandle`] it returned are dropped. NIXL writes into the
-    /// local blocks named by READs while they are in flight.
+    /// Every allocation must stay allocated, and must not be freed or moved, until this agent
+    /// and every [`super::TransferHandle`] it returned are dropped. NIXL writes into the local
+    /// blocks named by READs while they are in flight.
     pub unsafe fn with_memory(
         config: NixlAgentConfig,
         layers: Vec<KvLayerMemory>,
+        allocations: Vec<Allocation>,
     ) -> Result<Self, KvConnectorError> {
+        let kind = layers.first().map_or(MemoryKind::Host, |l| l.memory);
+        let allocations = allocations.into_iter().map(|a| (a, kind)).collect();
         // SAFETY: forwarded to the caller.
-        unsafe { Self::create(config, layers, Vec::new()) }
+        unsafe { Self::create(config, layers, allocations, Vec::new()) }
     }
 
+    /// Registers `allocations` (which hold every region of `layers`) and prepares the lists.
     unsafe fn create(
         config: NixlAgentConfig,
         layers: Vec<KvLayerMemory>,
+        allocations: Vec<(Allocation, MemoryKind)>,
         memory: Vec<Arc<KvStorage>>,
     ) -> Result<Self, KvConnectorError> {
         if layers.is_empty() {
@@ -411,14 +458,14 @@ impl NixlAgent {
 
         let mut geometry = Vec::with_capacity(2 * layers.len());
         let mut infos = Vec::with_capacity(layers.len());
+        let mem = side_memory(layers.iter().map(|l| l.memory))?;
         for l in &layers {
             for r in [l.k, l.v] {
+                let bb = l.layout.block_bytes();
                 geometry.push(RegionGeometry {
-                    addr: r.addr,
-                    len: r.len,
-                    block_bytes: l.layout.block_bytes(),
-                    num_blocks: l.layout.num_blocks,
-                    group: l.group,
+                    block_stride: r.block_stride,
+                    device: nixl_memory(l.memory).1,
+                    ..RegionGeometry::array(r.addr, r.len, bb, l.layout.num_blocks, l.group)
                 });
             }
             let info = |r: MemoryRegion| RegionInfo {
@@ -430,6 +477,9 @@ impl NixlAgent {
                 pp_rank: l.pp_rank,
                 kv_heads: l.kv_heads.clone(),
                 kv_replica: l.kv_replica,
+                block_stride: l.k.block_stride,
+                memory: l.memory.name().to_string(),
+                device: nixl_memory(l.memory).1,
                 ..LayerInfo::new(&l.name, &l.layout, info(l.k), info(l.v))
             });
         }
@@ -465,11 +515,14 @@ impl NixlAgent {
             .create_backend("UCX", &params)
             .map_err(|e| nixl_err("UCX backend creation", e))?;
 
-        let mut registrations = Vec::with_capacity(table.regions().len());
-        for r in table.regions() {
-            let region = DramRegion {
-                addr: r.addr,
-                len: r.len,
+        let mut registrations = Vec::with_capacity(allocations.len());
+        for (a, kind) in &allocations {
+            let (mem, device) = nixl_memory(*kind);
+            let region = Registered {
+                addr: a.addr,
+                len: a.len,
+                mem,
+                device,
             };
             registrations.push(
                 agent
@@ -477,9 +530,14 @@ impl NixlAgent {
                     .map_err(|e| nixl_err("memory registration", e))?,
             );
         }
-        let dlist = prepare_dlist(&agent, "", &table)
+        let dlist = prepare_dlist(&agent, "", &table, mem)
             .map_err(|e| nixl_err("local descriptor list preparation", e))?;
+        let memory_name = layers[0].memory.name();
         tracing::info!(agent = %name, layers = layers.len(), descriptors = table.len(),
+            memory = memory_name, registrations = registrations.len(),
+            ucx_tls = %std::env::var("UCX_TLS").unwrap_or_else(|_| "(UCX default)".into()),
+            cuda_ipc_get_zcopy = %std::env::var("UCX_CUDA_IPC_ENABLE_GET_ZCOPY")
+                .unwrap_or_else(|_| "(UCX default)".into()),
             progress_thread = config.progress_thread, "NIXL agent ready");
         Ok(NixlAgent {
             peers: Mutex::new(HashMap::new()),
@@ -488,6 +546,7 @@ impl NixlAgent {
                 split: SplitLists::default(),
                 registrations,
                 table,
+                mem,
                 agent: agent.clone(),
                 _memory: memory,
             }),
@@ -568,15 +627,24 @@ impl NixlAgent {
         for l in &peer.layers {
             for r in [l.k, l.v] {
                 geometry.push(RegionGeometry {
-                    addr: r.addr as usize,
-                    len: r.len as usize,
-                    block_bytes: l.block_bytes,
-                    num_blocks: l.num_blocks,
+                    block_stride: l.stride(),
+                    device: l.device,
                     // Transfers pick ids by the local region's group.
-                    group: 0,
+                    ..RegionGeometry::array(
+                        r.addr as usize,
+                        r.len as usize,
+                        l.block_bytes,
+                        l.num_blocks,
+                        0,
+                    )
                 });
             }
         }
+        // validate() (in check_compatible) made every layer's memory the first's.
+        let peer_mem = match peer.layers.first().map(|l| l.memory.as_str()) {
+            Some("vram") => MemType::Vram,
+            _ => MemType::Dram,
+        };
         let table = DescTable::new(geometry)?;
         // Different block sizes (checked compatible above) pair in the smaller one; different
         // parallel layouts pair by layer name and model head.
@@ -618,7 +686,7 @@ impl NixlAgent {
                 peer.agent_name
             )));
         }
-        let dlist = match prepare_dlist(&self.agent, &loaded, &table) {
+        let dlist = match prepare_dlist(&self.agent, &loaded, &table, peer_mem) {
             Ok(d) => d,
             Err(e) => {
                 invalidate(&loaded);
@@ -637,6 +705,7 @@ impl NixlAgent {
                 block_size: peer.block_size,
                 metadata: peer.agent_metadata.clone(),
                 table,
+                mem: peer_mem,
                 pairing,
                 split: SplitLists::default(),
                 agent: self.agent.clone(),

@@ -3,17 +3,22 @@
 //!
 //! A side's prepared list holds one descriptor per block of every region, regions in storage
 //! order (layer 0 K, layer 0 V, layer 1 K, …): descriptor `offset[r] + b` is block `b` of region
-//! `r`, at `addr[r] + b * block_bytes[r]`. Local and remote region `r` are the same (layer, part).
+//! `r`, at `addr[r] + b * block_stride[r]` (`block_stride == block_bytes` for a per-layer array; a
+//! block-major device cache interleaves every layer's K and V of a block, so its stride is the
+//! whole block's). Split into smaller units, descriptor `i` is unit `i % units` of block
+//! `i / units`. Local and remote region `r` are the same (layer, part).
 //!
 //! A transfer's block ids come per KV cache group ([`BlockPairs`]): region `r` moves the pairs of
 //! its layer's group (`RegionGeometry::group`, of the local side), or the one list every group
 //! shares.
 //!
 //! Invariants of a [`TransferPlan`]: both index lists have the same length, pair `i` moves
-//! `block_bytes[r]` bytes, destination blocks are distinct, and pairs are ordered by region and
-//! then by source block so that NIXL's `make_xfer_req` merges runs of blocks that are
-//! consecutive on both sides into one descriptor; [`TransferPlan::descriptors`] counts the
-//! descriptors after that merge (NIXL merges only within one registered region).
+//! `block_bytes[r]` bytes, destination blocks are distinct, and pairs are ordered by source
+//! address so that NIXL's `make_xfer_req` merges runs that are contiguous in memory on both sides
+//! into one descriptor (in a block-major cache, every layer of a run of consecutive blocks: one
+//! descriptor); [`TransferPlan::descriptors`] counts the descriptors after that merge. Separate
+//! allocations are never contiguous (allocators keep headers between them), so the count holds
+//! where NIXL merges only within one registered region.
 
 use std::collections::HashSet;
 
@@ -36,15 +41,68 @@ impl std::fmt::Display for Side {
     }
 }
 
-/// One contiguous array of one side.
+/// One layer's K or V array of one side.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RegionGeometry {
     pub addr: usize,
     pub len: usize,
+    /// Bytes of one descriptor (a block, or a unit of one when split).
     pub block_bytes: usize,
+    /// Descriptors of the region.
     pub num_blocks: usize,
     /// The KV cache group of the region's layer (read on the local side only).
     pub group: usize,
+    /// Bytes from one storage block's start to the next's.
+    pub block_stride: usize,
+    /// Descriptors per storage block (1 unless split).
+    pub units: usize,
+    /// The GPU holding the region (device memory), 0 for host memory.
+    pub device: u64,
+}
+
+impl RegionGeometry {
+    /// A per-layer array: `num_blocks` blocks of `block_bytes` back to back.
+    pub fn array(
+        addr: usize,
+        len: usize,
+        block_bytes: usize,
+        num_blocks: usize,
+        group: usize,
+    ) -> Self {
+        RegionGeometry {
+            addr,
+            len,
+            block_bytes,
+            num_blocks,
+            group,
+            block_stride: block_bytes,
+            units: 1,
+            device: 0,
+        }
+    }
+
+    /// Address of descriptor `i`.
+    pub fn desc_addr(&self, i: usize) -> usize {
+        self.addr + (i / self.units) * self.block_stride + (i % self.units) * self.block_bytes
+    }
+
+    /// The bytes the descriptors span from `addr`, or `None` when the geometry is inconsistent
+    /// (zero sizes, units not filling whole blocks, units wider than the stride, overflow).
+    fn span(&self) -> Option<usize> {
+        if self.block_bytes == 0 || self.num_blocks == 0 || self.units == 0 {
+            return None;
+        }
+        if !self.num_blocks.is_multiple_of(self.units) {
+            return None;
+        }
+        let block = self.units.checked_mul(self.block_bytes)?;
+        if block > self.block_stride {
+            return None;
+        }
+        (self.num_blocks / self.units - 1)
+            .checked_mul(self.block_stride)?
+            .checked_add(block)
+    }
 }
 
 /// The block ids of one transfer for one KV cache group: `local[i]` pairs with `remote[i]`.
@@ -122,18 +180,17 @@ impl DescTable {
         let mut offsets = Vec::with_capacity(regions.len());
         let mut total = 0usize;
         for (i, r) in regions.iter().enumerate() {
-            if r.block_bytes == 0 || r.num_blocks == 0 {
+            let Some(span) = r.span() else {
                 return Err(KvConnectorError::InvalidRegions(format!(
-                    "region {i}: zero blocks or zero-sized blocks"
+                    "region {i}: {} blocks of {} bytes in units of {} at a stride of {} do not \
+                     make a layout",
+                    r.num_blocks, r.block_bytes, r.units, r.block_stride
                 )));
-            }
-            if r.num_blocks
-                .checked_mul(r.block_bytes)
-                .is_none_or(|n| n > r.len)
-            {
+            };
+            if span > r.len {
                 return Err(KvConnectorError::InvalidRegions(format!(
-                    "region {i}: {} bytes cannot hold {} blocks of {} bytes",
-                    r.len, r.num_blocks, r.block_bytes
+                    "region {i}: {} bytes cannot hold {} blocks of {} bytes at a stride of {}",
+                    r.len, r.num_blocks, r.block_bytes, r.block_stride
                 )));
             }
             offsets.push(total);
@@ -164,11 +221,10 @@ impl DescTable {
             self.regions
                 .iter()
                 .map(|r| RegionGeometry {
-                    addr: r.addr,
-                    len: r.len,
                     block_bytes: r.block_bytes / ratio,
                     num_blocks: r.num_blocks * ratio,
-                    group: r.group,
+                    units: r.units * ratio,
+                    ..*r
                 })
                 .collect(),
         )
@@ -194,13 +250,18 @@ impl DescTable {
 
     /// Every descriptor `(addr, len)` in list order.
     pub fn descriptors(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
-        self.regions.iter().flat_map(|r| {
-            (0..r.num_blocks).map(move |b| (r.addr + b * r.block_bytes, r.block_bytes))
-        })
+        self.regions
+            .iter()
+            .flat_map(|r| (0..r.num_blocks).map(move |b| (r.desc_addr(b), r.block_bytes)))
     }
 
     fn index(&self, region: usize, block: usize) -> i32 {
         (self.offsets[region] + block) as i32
+    }
+
+    /// Address of descriptor `block` of `region`.
+    fn addr(&self, region: usize, block: usize) -> usize {
+        self.regions[region].desc_addr(block)
     }
 
     /// Checks that the other side's regions pair with ours one to one with equal block sizes.
@@ -283,25 +344,6 @@ pub fn plan_transfer(
 ) -> Result<TransferPlan, KvConnectorError> {
     ids.check(dest)?;
     local.check_pairs_with(remote)?;
-    // Source order maximises runs that are consecutive on both sides.
-    let sorted: Vec<Vec<(usize, usize)>> = ids
-        .groups()
-        .iter()
-        .map(|g| {
-            let mut pairs: Vec<(usize, usize)> = g
-                .local
-                .iter()
-                .copied()
-                .zip(g.remote.iter().copied())
-                .collect();
-            match dest {
-                Side::Local => pairs.sort_unstable_by_key(|&(l, r)| (r, l)),
-                Side::Remote => pairs.sort_unstable(),
-            }
-            pairs
-        })
-        .collect();
-
     let mut plan = TransferPlan {
         local_indices: Vec::new(),
         remote_indices: Vec::new(),
@@ -309,28 +351,54 @@ pub fn plan_transfer(
         blocks: ids.num_pairs(),
         descriptors: 0,
     };
+    let mut moves = Vec::with_capacity(ids.num_pairs() * local.regions.len());
     for (r, region) in local.regions.iter().enumerate() {
         let g = ids.index_of_region(local, r)?;
-        let pairs = &sorted[g];
-        check_ids(&ids.groups()[g].local, region.num_blocks, Side::Local)?;
-        check_ids(
-            &ids.groups()[g].remote,
-            remote.regions[r].num_blocks,
-            Side::Remote,
-        )?;
-        let mut prev: Option<(usize, usize)> = None;
-        for &(l, rm) in pairs {
-            plan.local_indices.push(local.index(r, l));
-            plan.remote_indices.push(remote.index(r, rm));
-            plan.bytes += region.block_bytes as u64;
-            let merges = prev.is_some_and(|(pl, pr)| l == pl + 1 && rm == pr + 1);
-            if !merges {
-                plan.descriptors += 1;
-            }
-            prev = Some((l, rm));
+        let group = &ids.groups()[g];
+        check_ids(&group.local, region.num_blocks, Side::Local)?;
+        check_ids(&group.remote, remote.regions[r].num_blocks, Side::Remote)?;
+        for (&l, &rm) in group.local.iter().zip(&group.remote) {
+            moves.push(Move {
+                local: (local.index(r, l), local.addr(r, l)),
+                remote: (remote.index(r, rm), remote.addr(r, rm)),
+                bytes: region.block_bytes,
+            });
         }
     }
+    finish_plan(&mut plan, moves, dest);
     Ok(plan)
+}
+
+/// One descriptor pair of a plan: (index, address) on each side.
+#[derive(Debug, Clone, Copy)]
+struct Move {
+    local: (i32, usize),
+    remote: (i32, usize),
+    bytes: usize,
+}
+
+/// Orders `moves` by source address (runs contiguous on both sides then sit together, and NIXL
+/// merges each into one descriptor) and fills `plan`'s lists, bytes and merged descriptor count.
+fn finish_plan(plan: &mut TransferPlan, mut moves: Vec<Move>, dest: Side) {
+    match dest {
+        Side::Local => moves.sort_unstable_by_key(|m| (m.remote.1, m.local.1)),
+        Side::Remote => moves.sort_unstable_by_key(|m| (m.local.1, m.remote.1)),
+    }
+    plan.local_indices.reserve(moves.len());
+    plan.remote_indices.reserve(moves.len());
+    let mut prev: Option<Move> = None;
+    for m in moves {
+        plan.local_indices.push(m.local.0);
+        plan.remote_indices.push(m.remote.0);
+        plan.bytes += m.bytes as u64;
+        let merges = prev.is_some_and(|p| {
+            p.local.1 + p.bytes == m.local.1 && p.remote.1 + p.bytes == m.remote.1
+        });
+        if !merges {
+            plan.descriptors += 1;
+        }
+        prev = Some(m);
+    }
 }
 
 /// Plans a transfer at unit grain ([`UnitPairing`]): `local` is our table split into
@@ -346,8 +414,7 @@ pub fn plan_unit_transfer(
 ) -> Result<TransferPlan, KvConnectorError> {
     ids.check(dest)?;
     let (k, lu, ru) = (pairing.ratio, pairing.local_units(), pairing.remote_units);
-    // (local index, remote index, bytes, region pair)
-    let mut pairs: Vec<(i32, i32, usize, (usize, usize))> = Vec::new();
+    let mut moves = Vec::new();
     for m in &pairing.maps {
         let (lr, rr) = (
             local.regions.get(m.local_region),
@@ -370,37 +437,27 @@ pub fn plan_unit_transfer(
         for (&l, &r) in group.local.iter().zip(&group.remote) {
             let local_unit = (l / k) * lu + m.local_head * k + l % k;
             let remote_unit = r * ru + m.remote_unit;
-            pairs.push((
-                local.index(m.local_region, local_unit),
-                remote.index(m.remote_region, remote_unit),
-                lr.block_bytes,
-                (m.local_region, m.remote_region),
-            ));
+            moves.push(Move {
+                local: (
+                    local.index(m.local_region, local_unit),
+                    local.addr(m.local_region, local_unit),
+                ),
+                remote: (
+                    remote.index(m.remote_region, remote_unit),
+                    remote.addr(m.remote_region, remote_unit),
+                ),
+                bytes: lr.block_bytes,
+            });
         }
     }
-    // Source order maximises runs that are consecutive on both sides.
-    match dest {
-        Side::Local => pairs.sort_unstable_by_key(|p| (p.1, p.0)),
-        Side::Remote => pairs.sort_unstable_by_key(|p| (p.0, p.1)),
-    }
     let mut plan = TransferPlan {
-        local_indices: Vec::with_capacity(pairs.len()),
-        remote_indices: Vec::with_capacity(pairs.len()),
+        local_indices: Vec::new(),
+        remote_indices: Vec::new(),
         bytes: 0,
         blocks: ids.num_pairs(),
         descriptors: 0,
     };
-    let mut prev: Option<(i32, i32, (usize, usize))> = None;
-    for (l, r, bytes, regions) in pairs {
-        plan.local_indices.push(l);
-        plan.remote_indices.push(r);
-        plan.bytes += bytes as u64;
-        let merges = prev.is_some_and(|(pl, pr, pg)| pg == regions && l == pl + 1 && r == pr + 1);
-        if !merges {
-            plan.descriptors += 1;
-        }
-        prev = Some((l, r, regions));
-    }
+    finish_plan(&mut plan, moves, dest);
     Ok(plan)
 }
 
@@ -411,12 +468,14 @@ mod tests {
     fn table(num_regions: usize, num_blocks: usize, block_bytes: usize) -> DescTable {
         DescTable::new(
             (0..num_regions)
-                .map(|i| RegionGeometry {
-                    addr: 0x10000 * (i + 1),
-                    len: num_blocks * block_bytes,
-                    block_bytes,
-                    num_blocks,
-                    group: 0,
+                .map(|i| {
+                    RegionGeometry::array(
+                        0x10000 * (i + 1),
+                        num_blocks * block_bytes,
+                        block_bytes,
+                        num_blocks,
+                        0,
+                    )
                 })
                 .collect(),
         )
@@ -436,12 +495,14 @@ mod tests {
                 [(0, 8), (0, 8), (1, 3), (1, 3)]
                     .iter()
                     .enumerate()
-                    .map(|(i, &(group, num_blocks))| RegionGeometry {
-                        addr: base + 0x1000 * i,
-                        len: num_blocks * 16,
-                        block_bytes: 16,
-                        num_blocks,
-                        group,
+                    .map(|(i, &(group, num_blocks))| {
+                        RegionGeometry::array(
+                            base + 0x1000 * i,
+                            num_blocks * 16,
+                            16,
+                            num_blocks,
+                            group,
+                        )
                     })
                     .collect(),
             )
@@ -495,13 +556,7 @@ mod tests {
         assert!(plan_transfer(&local, &remote, &three, Side::Local).is_ok());
         let local_one_group = DescTable::new(
             (0..4)
-                .map(|i| RegionGeometry {
-                    addr: 0x10000 * (i + 1),
-                    len: 8 * 16,
-                    block_bytes: 16,
-                    num_blocks: 8,
-                    group: i / 2 * 2,
-                })
+                .map(|i| RegionGeometry::array(0x10000 * (i + 1), 8 * 16, 16, 8, i / 2 * 2))
                 .collect(),
         )
         .unwrap();
@@ -638,5 +693,67 @@ mod tests {
         // Reading one remote block into two local blocks is fine.
         plan_transfer(&local, &remote, &pairs(&[1, 2], &[0, 0]), Side::Local).unwrap();
         assert!(plan_transfer(&local, &table(2, 8, 32), &pairs(&[1], &[1]), Side::Local).is_err());
+    }
+
+    /// A block-major side: `layers` layers whose K and V of block `b` sit together, every
+    /// layer of a block contiguous (`[block][layer][K, V][bb]`), `blocks` blocks.
+    fn block_major(base: usize, layers: usize, blocks: usize, bb: usize) -> DescTable {
+        let stride = 2 * layers * bb;
+        DescTable::new(
+            (0..2 * layers)
+                .map(|r| RegionGeometry {
+                    block_stride: stride,
+                    ..RegionGeometry::array(base + r * bb, blocks * stride - r * bb, bb, blocks, 0)
+                })
+                .collect(),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn block_major_runs_of_blocks_merge_across_layers() {
+        let (local, remote) = (
+            block_major(0x100000, 3, 8, 64),
+            block_major(0x900000, 3, 6, 64),
+        );
+        assert_eq!(local.regions()[1].desc_addr(2), 0x100000 + 2 * 6 * 64 + 64);
+        // Remote 1, 2, 3 -> local 4, 5, 6 is one run of three whole blocks; 5 -> 0 another.
+        let p = plan_transfer(
+            &local,
+            &remote,
+            &pairs(&[5, 0, 4, 6], &[2, 5, 1, 3]),
+            Side::Local,
+        )
+        .unwrap();
+        assert_eq!(p.bytes, 4 * 6 * 64);
+        assert_eq!(p.descriptors, 2);
+        // Source order: remote block 1's six parts first, layer by layer.
+        assert_eq!(
+            p.remote_indices[..2],
+            [remote.index(0, 1), remote.index(1, 1)]
+        );
+        assert_eq!(p.local_indices[..2], [local.index(0, 4), local.index(1, 4)]);
+        // Blocks consecutive on one side only: one descriptor per block (its layers merge).
+        let p = plan_transfer(&local, &remote, &pairs(&[1, 3], &[2, 3]), Side::Local).unwrap();
+        assert_eq!(p.descriptors, 2);
+        // Split in two, the units still tile memory in order.
+        let split = local.split(2).unwrap();
+        assert_eq!(
+            split.regions()[2].desc_addr(3),
+            0x100000 + 6 * 64 + 2 * 64 + 32
+        );
+        assert_eq!(split.num_blocks(), 16);
+        // A stride shorter than a block is no layout.
+        let bad = RegionGeometry {
+            block_stride: 32,
+            ..RegionGeometry::array(0, 1 << 20, 64, 4, 0)
+        };
+        assert!(DescTable::new(vec![bad]).is_err());
+        // A region too short for its last block is refused.
+        let short = RegionGeometry {
+            block_stride: 128,
+            ..RegionGeometry::array(0, 3 * 128 + 63, 64, 4, 0)
+        };
+        assert!(DescTable::new(vec![short]).is_err());
     }
 }

@@ -9,7 +9,9 @@
 //! Invariants: `compat_hash` is a function of exactly (protocol version, model, dtype, block size,
 //! layer count) — [`compat_hash`] — and a handshake whose hash does not match its own fields is
 //! invalid; `layers[i]` describes storage layer `i`, its K and V arrays each covering at least
-//! `num_blocks * block_bytes` bytes, block `b` at `addr + b * block_bytes`.
+//! `(num_blocks - 1) * stride + block_bytes` bytes, block `b` at `addr + b * stride` (`stride` is
+//! `block_stride`, or `block_bytes` when that is 0), in the memory `memory` names (host DRAM, or
+//! the VRAM of GPU `device`); every layer of one handshake is in one kind of memory.
 
 use serde::{Deserialize, Serialize};
 
@@ -61,6 +63,20 @@ pub struct LayerInfo {
     /// Which copy of those heads it is, when TP exceeds the KV heads (0 otherwise).
     #[serde(default)]
     pub kv_replica: u32,
+    /// Bytes from one block's start to the next in both arrays (0: `block_bytes`, per-layer
+    /// arrays; larger where a device cache interleaves the layers of a block).
+    #[serde(default)]
+    pub block_stride: usize,
+    /// `dram` or `vram`: where the arrays live.
+    #[serde(default = "dram")]
+    pub memory: String,
+    /// The GPU holding them (`vram`), 0 for host memory.
+    #[serde(default)]
+    pub device: u64,
+}
+
+fn dram() -> String {
+    "dram".into()
 }
 
 impl LayerInfo {
@@ -82,6 +98,18 @@ impl LayerInfo {
             pp_rank: 0,
             kv_heads: (0..layout.num_kv_heads as u32).collect(),
             kv_replica: 0,
+            block_stride: 0,
+            memory: dram(),
+            device: 0,
+        }
+    }
+
+    /// Bytes from one block's start to the next.
+    pub fn stride(&self) -> usize {
+        if self.block_stride == 0 {
+            self.block_bytes
+        } else {
+            self.block_stride
         }
     }
 }
@@ -319,12 +347,36 @@ impl NixlHandshake {
             if distinct.len() != l.kv_heads.len() {
                 return bad(format!("layer {i}: a model head is named twice"));
             }
-            let need = (l.num_blocks as u64).checked_mul(l.block_bytes as u64);
+            if l.memory != "dram" && l.memory != "vram" {
+                return bad(format!(
+                    "layer {i}: memory {:?} is not \"dram\" or \"vram\"",
+                    l.memory
+                ));
+            }
+            if l.memory != self.layers[0].memory {
+                return bad(format!(
+                    "layer {i} is in {} but layer 0 in {}: one handshake, one kind of memory",
+                    l.memory, self.layers[0].memory
+                ));
+            }
+            if l.stride() < l.block_bytes {
+                return bad(format!(
+                    "layer {i}: block_stride {} is shorter than a block ({} bytes)",
+                    l.block_stride, l.block_bytes
+                ));
+            }
+            let need = ((l.num_blocks - 1) as u64)
+                .checked_mul(l.stride() as u64)
+                .and_then(|n| n.checked_add(l.block_bytes as u64));
             for (part, r) in [("K", l.k), ("V", l.v)] {
                 if need.is_none_or(|n| r.len < n) || r.addr.checked_add(r.len).is_none() {
                     return bad(format!(
-                        "layer {i} {part}: region of {} bytes cannot hold {} blocks of {} bytes",
-                        r.len, l.num_blocks, l.block_bytes
+                        "layer {i} {part}: region of {} bytes cannot hold {} blocks of {} bytes \
+                         at a stride of {}",
+                        r.len,
+                        l.num_blocks,
+                        l.block_bytes,
+                        l.stride()
                     ));
                 }
             }

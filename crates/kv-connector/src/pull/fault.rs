@@ -245,8 +245,7 @@ pub(crate) unsafe fn corrupt_source(
     let bit = rng.below(8);
     let block = blocks[pos] as usize;
     // SAFETY: the caller owns the block; the offset lies inside it (row of a token < bs).
-    let bytes = unsafe { storage.block_bytes_mut(layer, part, block) }.ok()?;
-    bytes[byte] ^= 1 << bit;
+    unsafe { storage.modify_block(layer, part, block, |b| b[byte] ^= 1 << bit) }.ok()?;
     Some(format!(
         "flipped bit {bit} of byte {byte} of {part:?} block {block} (prompt position {pos}, \
          token {token}, head {head}) of layer {layer} (group {group})"

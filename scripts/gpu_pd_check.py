@@ -1,0 +1,214 @@
+#!/usr/bin/env python3
+"""P/D on one GPU, checked as a user would (run by scripts/gpu_pd_check.sh on the GPU machine).
+
+For each KV mode (pull, push): a single `tandem serve --device cuda` instance answers a set of
+greedy prompts; then a prefill and a decode instance on the same GPU (KV in VRAM, moved by NIXL
+over CUDA IPC, checksummed by the GPU kernel on both sides) behind `tandem proxy` answer the same
+prompts. Checks: every answer equals the single instance's, every load was verified, no load was
+unverified or failed, and both instances end with every KV block free. Then a decode instance that
+corrupts every load it receives (`kv_fault_injection`) behind its own proxy: every load is caught
+as a mismatch and recomputed, and the answers are still equal. Exits non-zero on the first failed
+check. Standard library only (the GPU machine has no extra Python packages).
+"""
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Name three primary colours.",
+    "Write one sentence about the sea.",
+    "What is 12 times 12?",
+    "Give a synonym of 'quick'.",
+    "Who wrote Hamlet?",
+]
+
+
+def post(url, body, timeout=300):
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), {"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def get(url, timeout=10):
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read().decode()
+
+
+def metric(text, name, labels=None):
+    """Sum of the series of `name` whose labels include `labels`."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith(name):
+            continue
+        m = re.match(r'^([^{\s]+)(\{[^}]*\})?\s+(\S+)$', line)
+        if not m or m.group(1) != name:
+            continue
+        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+        if labels and any(have.get(k) != v for k, v in labels.items()):
+            continue
+        total += float(m.group(3))
+    return total
+
+
+class Deployment:
+    def __init__(self, binary, logs):
+        self.binary, self.logs, self.procs = binary, logs, []
+
+    def start(self, name, args):
+        log = open(os.path.join(self.logs, f"{name}.log"), "w")
+        p = subprocess.Popen([self.binary] + args, stdout=log, stderr=subprocess.STDOUT)
+        self.procs.append((name, p))
+        return p
+
+    def wait_healthy(self, port, timeout=300):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            for name, p in self.procs:
+                if p.poll() is not None:
+                    self.dump()
+                    sys.exit(f"{name} exited with {p.returncode}")
+            try:
+                get(f"http://127.0.0.1:{port}/health", timeout=2)
+                return
+            except Exception:
+                time.sleep(0.5)
+        self.dump()
+        sys.exit(f"port {port} did not come up")
+
+    def dump(self):
+        for name, _ in self.procs:
+            path = os.path.join(self.logs, f"{name}.log")
+            print(f"---- {name} (last lines of {path})")
+            with open(path) as f:
+                print("".join(f.readlines()[-25:]))
+
+    def stop(self):
+        for _, p in self.procs:
+            p.send_signal(signal.SIGTERM)
+        for _, p in self.procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        self.procs = []
+
+
+def answers(port, model, max_tokens):
+    out = []
+    for q in PROMPTS:
+        r = post(f"http://127.0.0.1:{port}/v1/chat/completions", {
+            "model": model, "temperature": 0, "max_tokens": max_tokens,
+            "messages": [{"role": "user", "content": q}]})
+        out.append(r["choices"][0]["message"]["content"])
+    return out
+
+
+def check(cond, what):
+    print(("OK   " if cond else "FAIL ") + what)
+    if not cond:
+        raise SystemExit(1)
+
+
+def transfer_config(mode, role, extra=None):
+    cfg = {
+        "kv_connector": "NixlConnector" if mode == "pull" else "NixlPushConnector",
+        "kv_role": role,
+        "enable_kv_checksum": True,
+    }
+    if role == "kv_consumer":
+        cfg.update({"kv_checksum_fail_closed": True, "kv_load_failure_policy": "recompute"})
+    cfg.update(extra or {})
+    return json.dumps(cfg)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bin", required=True)
+    ap.add_argument("--modes", default="pull,push")
+    ap.add_argument("--model-args", default="--model smollm2-135m",
+                    help="how every instance loads the model")
+    ap.add_argument("--served", default="smollm2-135m")
+    ap.add_argument("--kv-cache-memory", default="2GiB")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    a = ap.parse_args()
+    logs = tempfile.mkdtemp(prefix="tandem-gpu-pd.")
+    print(f"logs in {logs}")
+    common = ["serve", "--device", "cuda", "--host", "127.0.0.1",
+              "--kv-cache-memory", a.kv_cache_memory] + a.model_args.split()
+    os.environ.setdefault("TANDEM_KV_TRANSFER_SECRET", "gpu-pd-check-secret")
+
+    d = Deployment(a.bin, logs)
+    d.start("single", common + ["--port", "8391"])
+    d.wait_healthy(8391)
+    reference = answers(8391, a.served, a.max_tokens)
+    print("single-instance answers:", json.dumps(reference)[:300])
+    d.stop()
+
+    for mode in a.modes.split(","):
+        d = Deployment(a.bin, logs)
+        d.start(f"{mode}-prefill", common + [
+            "--port", "8100", "--kv-transfer-config", transfer_config(mode, "kv_producer")])
+        d.start(f"{mode}-decode", common + [
+            "--port", "8200", "--kv-transfer-config", transfer_config(mode, "kv_consumer")])
+        d.start(f"{mode}-faulty-decode", common + [
+            "--port", "8300", "--kv-transfer-config", transfer_config(mode, "kv_consumer", {
+                "kv_fault_injection": {"kind": "corrupt_byte", "probability": 1.0, "seed": 7}})])
+        proxy = ["proxy", "--host", "127.0.0.1", "--kv-mode", mode,
+                 "--prefill", "http://127.0.0.1:8100"]
+        d.start(f"{mode}-proxy", proxy + ["--port", "8000", "--decode", "http://127.0.0.1:8200"])
+        d.start(f"{mode}-faulty-proxy",
+                proxy + ["--port", "8001", "--decode", "http://127.0.0.1:8300"])
+        for port in (8000, 8001):
+            d.wait_healthy(port)
+        try:
+            got = answers(8000, a.served, a.max_tokens)
+            check(got == reference, f"{mode}: the 1P1D answers equal the single GPU instance's")
+            m = get("http://127.0.0.1:8200/metrics")
+            loads = metric(m, "tandem:kv_checksum_loads_total")
+            verified = metric(m, "tandem:kv_checksum_loads_total", {"verdict": "verified"})
+            print(f"{mode}: loads by verdict:",
+                  [l for l in m.splitlines() if l.startswith("tandem:kv_checksum_loads_total")])
+            check(verified == len(PROMPTS) and loads == verified,
+                  f"{mode}: every load verified by checksum ({verified:.0f}/{len(PROMPTS)})")
+            check(metric(m, "tandem:kv_load_failures_total") == 0, f"{mode}: no load failed")
+            moved = metric(m, "tandem:kv_transfer_bytes_total")
+            secs = metric(m, "tandem:kv_transfer_seconds_sum")
+            print(f"{mode}: moved {moved / 1e6:.2f} MB of KV in {secs * 1e3:.2f} ms "
+                  f"({moved / max(secs, 1e-9) / 1e9:.2f} GB/s over {len(PROMPTS)} transfers)")
+
+            bad = answers(8001, a.served, a.max_tokens)
+            check(bad == reference, f"{mode}: with every load corrupted, the answers still "
+                  "equal (caught and recomputed)")
+            m = get("http://127.0.0.1:8300/metrics")
+            mismatched = metric(m, "tandem:kv_checksum_loads_total", {"verdict": "mismatch"})
+            check(mismatched == len(PROMPTS),
+                  f"{mode}: every corrupted load caught ({mismatched:.0f}/{len(PROMPTS)})")
+            recomputed = metric(m, "tandem:kv_load_recomputed_tokens_total")
+            check(recomputed > 0, f"{mode}: {recomputed:.0f} prompt tokens recomputed")
+            time.sleep(2)  # leases end when the consumers' reads are acknowledged
+            for port in (8100, 8200, 8300):
+                m = get(f"http://127.0.0.1:{port}/metrics")
+                free = metric(m, "tandem:kv_cache_free_blocks")
+                total = metric(m, "tandem:kv_cache_total_blocks")
+                check(free == total and total > 0,
+                      f"{mode}: :{port} has every KV block free ({free:.0f}/{total:.0f})")
+        except SystemExit:
+            d.dump()
+            raise
+        finally:
+            d.stop()
+    print("gpu_pd_check: all checks passed")
+
+
+if __name__ == "__main__":
+    main()

@@ -9,6 +9,12 @@ unverified or failed, and both instances end with every KV block free. Then a de
 corrupts every load it receives (`kv_fault_injection`) behind its own proxy: every load is caught
 as a mismatch and recomputed, and the answers are still equal. Exits non-zero on the first failed
 check. Standard library only (the GPU machine has no extra Python packages).
+
+`--transfer-bench` instead measures KV transfer in pull mode on configs/llama-8b-kv-shape.json
+(a dummy model with Llama 3.1 8B's KV shape: 32 layers x 8 KV heads x 128, 128 KiB of bf16 KV
+per token): prompts of `--bench-tokens` tokens through the proxy, the decode instance's transfer
+bytes and seconds per request, against a device-to-device copy of the same bytes in the same run
+(torch, when present), and the checksum's share of the consumer's load-to-first-token time.
 """
 
 import argparse
@@ -131,6 +137,80 @@ def transfer_config(mode, role, extra=None):
     return json.dumps(cfg)
 
 
+def device_copy_gbps(nbytes):
+    """Read GB/s of a device-to-device copy of `nbytes` (median of 10), or None without torch."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(12):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return nbytes / sorted(times[2:])[len(times[2:]) // 2] / 1e9
+
+
+def transfer_bench(a, logs, common):
+    d = Deployment(a.bin, logs)
+    d.start("bench-prefill", common + [
+        "--port", "8100", "--kv-transfer-config", transfer_config("pull", "kv_producer")])
+    d.start("bench-decode", common + [
+        "--port", "8200", "--kv-transfer-config", transfer_config("pull", "kv_consumer")])
+    d.start("bench-proxy", ["proxy", "--host", "127.0.0.1", "--port", "8000",
+                            "--prefill", "http://127.0.0.1:8100",
+                            "--decode", "http://127.0.0.1:8200"])
+    d.wait_healthy(8000)
+    rows = []
+    try:
+        for i in range(a.bench_runs + 1):
+            before = get("http://127.0.0.1:8200/metrics")
+            # Distinct printable bytes (the dummy tokenizer is byte-level): no prefix cache hit.
+            prompt = "".join(chr(33 + (i * 7919 + j * 104729) % 90) for j in range(a.bench_tokens))
+            t0 = time.time()
+            post("http://127.0.0.1:8000/v1/completions", {
+                "model": a.served, "prompt": prompt, "max_tokens": 1, "temperature": 0})
+            wall = time.time() - t0
+            after = get("http://127.0.0.1:8200/metrics")
+            delta = {k: metric(after, k) - metric(before, k) for k in (
+                "tandem:kv_transfer_bytes_total", "tandem:kv_transfer_seconds_sum",
+                "tandem:kv_transfer_descriptors_total", "tandem:kv_checksum_compute_seconds_sum",
+                "tandem:request_prefill_time_seconds_sum")}
+            verified = (metric(after, "tandem:kv_checksum_loads_total", {"verdict": "verified"})
+                        - metric(before, "tandem:kv_checksum_loads_total", {"verdict": "verified"}))
+            check(verified == 1, f"bench request {i}: its load verified")
+            if i > 0:  # the first warms up
+                rows.append((wall, delta))
+    except SystemExit:
+        d.dump()
+        raise
+    finally:
+        d.stop()
+    nbytes = rows[0][1]["tandem:kv_transfer_bytes_total"]
+    med = lambda xs: sorted(xs)[len(xs) // 2]
+    secs = med([r[1]["tandem:kv_transfer_seconds_sum"] for r in rows])
+    ck = med([r[1]["tandem:kv_checksum_compute_seconds_sum"] for r in rows])
+    load_to_first = med([r[1]["tandem:request_prefill_time_seconds_sum"] for r in rows])
+    copy = device_copy_gbps(int(nbytes))
+    print(f"transfer bench: {a.bench_tokens} tokens, {nbytes / 2**20:.1f} MiB of KV per request, "
+          f"{rows[0][1]['tandem:kv_transfer_descriptors_total']:.0f} descriptors")
+    print(f"  NIXL READ {secs * 1e3:.3f} ms = {nbytes / secs / 1e9:.1f} GB/s (median of "
+          f"{len(rows)})")
+    if copy:
+        print(f"  device copy of the same bytes: {copy:.1f} GB/s read; transfer/copy = "
+              f"{nbytes / secs / 1e9 / copy:.2f}x")
+    print(f"  consumer checksum {ck * 1e3:.3f} ms of a {load_to_first * 1e3:.1f} ms "
+          f"load-to-first-token ({100 * ck / max(load_to_first, 1e-9):.2f}%)")
+    print(f"  end-to-end request through the proxy: {med([r[0] for r in rows]) * 1e3:.1f} ms")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bin", required=True)
@@ -140,12 +220,18 @@ def main():
     ap.add_argument("--served", default="smollm2-135m")
     ap.add_argument("--kv-cache-memory", default="2GiB")
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--transfer-bench", action="store_true")
+    ap.add_argument("--bench-tokens", type=int, default=8000)
+    ap.add_argument("--bench-runs", type=int, default=5)
     a = ap.parse_args()
     logs = tempfile.mkdtemp(prefix="tandem-gpu-pd.")
     print(f"logs in {logs}")
     common = ["serve", "--device", "cuda", "--host", "127.0.0.1",
               "--kv-cache-memory", a.kv_cache_memory] + a.model_args.split()
     os.environ.setdefault("TANDEM_KV_TRANSFER_SECRET", "gpu-pd-check-secret")
+    if a.transfer_bench:
+        transfer_bench(a, logs, common + ["--max-model-len", str(a.bench_tokens + 64)])
+        return
 
     d = Deployment(a.bin, logs)
     d.start("single", common + ["--port", "8391"])

@@ -313,7 +313,7 @@ pub(crate) struct PeerEntry {
     pub(crate) block_size: usize,
     metadata: Vec<u8>,
     pub(crate) table: DescTable,
-    mem: MemType,
+    pub(crate) mem: MemType,
     /// How our regions pair with the peer's, when our blocks are a multiple of its (we can move
     /// bytes with it); `None` otherwise.
     pub(crate) pairing: Option<Pairing>,

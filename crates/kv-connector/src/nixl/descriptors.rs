@@ -14,11 +14,10 @@
 //!
 //! Invariants of a [`TransferPlan`]: both index lists have the same length, pair `i` moves
 //! `block_bytes[r]` bytes, destination blocks are distinct, and pairs are ordered by source
-//! address so that NIXL's `make_xfer_req` merges runs that are contiguous in memory on both sides
-//! into one descriptor (in a block-major cache, every layer of a run of consecutive blocks: one
-//! descriptor); [`TransferPlan::descriptors`] counts the descriptors after that merge. Separate
-//! allocations are never contiguous (allocators keep headers between them), so the count holds
-//! where NIXL merges only within one registered region.
+//! address, so that moves contiguous in memory on both sides sit together; [`TransferPlan::runs`]
+//! merges them (in a block-major cache, every layer of a run of consecutive blocks is one run)
+//! and [`TransferPlan::descriptors`] counts the runs, which is what a transfer posts when that is
+//! fewer than the pairs (`transfer.rs`).
 
 use std::collections::HashSet;
 
@@ -294,8 +293,22 @@ pub struct TransferPlan {
     pub bytes: u64,
     /// Block pairs named, over every group (each moves in every region of its group).
     pub blocks: usize,
-    /// Descriptors after NIXL merges consecutive blocks.
+    /// Runs of moves contiguous on both sides, in plan order: what a transfer posts as its
+    /// descriptors where that is fewer than the indices (`descriptors == runs.len()`).
+    pub runs: Vec<Run>,
+    /// Descriptors once runs contiguous on both sides are merged.
     pub descriptors: usize,
+}
+
+/// Bytes contiguous on both sides: `len` bytes at `local` and at `remote` (device addresses on
+/// GPU `*_device` for device memory).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Run {
+    pub local: usize,
+    pub remote: usize,
+    pub len: usize,
+    pub local_device: u64,
+    pub remote_device: u64,
 }
 
 /// The id lists pair one to one, and the destination side's ids are distinct (two sources into
@@ -349,6 +362,7 @@ pub fn plan_transfer(
         remote_indices: Vec::new(),
         bytes: 0,
         blocks: ids.num_pairs(),
+        runs: Vec::new(),
         descriptors: 0,
     };
     let mut moves = Vec::with_capacity(ids.num_pairs() * local.regions.len());
@@ -362,6 +376,7 @@ pub fn plan_transfer(
                 local: (local.index(r, l), local.addr(r, l)),
                 remote: (remote.index(r, rm), remote.addr(r, rm)),
                 bytes: region.block_bytes,
+                devices: (region.device, remote.regions[r].device),
             });
         }
     }
@@ -375,6 +390,7 @@ struct Move {
     local: (i32, usize),
     remote: (i32, usize),
     bytes: usize,
+    devices: (u64, u64),
 }
 
 /// Orders `moves` by source address (runs contiguous on both sides then sit together, and NIXL
@@ -386,19 +402,29 @@ fn finish_plan(plan: &mut TransferPlan, mut moves: Vec<Move>, dest: Side) {
     }
     plan.local_indices.reserve(moves.len());
     plan.remote_indices.reserve(moves.len());
-    let mut prev: Option<Move> = None;
     for m in moves {
         plan.local_indices.push(m.local.0);
         plan.remote_indices.push(m.remote.0);
         plan.bytes += m.bytes as u64;
-        let merges = prev.is_some_and(|p| {
-            p.local.1 + p.bytes == m.local.1 && p.remote.1 + p.bytes == m.remote.1
-        });
-        if !merges {
-            plan.descriptors += 1;
+        let (local_device, remote_device) = m.devices;
+        match plan.runs.last_mut() {
+            Some(r)
+                if r.local + r.len == m.local.1
+                    && r.remote + r.len == m.remote.1
+                    && (r.local_device, r.remote_device) == m.devices =>
+            {
+                r.len += m.bytes
+            }
+            _ => plan.runs.push(Run {
+                local: m.local.1,
+                remote: m.remote.1,
+                len: m.bytes,
+                local_device,
+                remote_device,
+            }),
         }
-        prev = Some(m);
     }
+    plan.descriptors = plan.runs.len();
 }
 
 /// Plans a transfer at unit grain ([`UnitPairing`]): `local` is our table split into
@@ -447,6 +473,7 @@ pub fn plan_unit_transfer(
                     remote.addr(m.remote_region, remote_unit),
                 ),
                 bytes: lr.block_bytes,
+                devices: (lr.device, rr.device),
             });
         }
     }
@@ -455,6 +482,7 @@ pub fn plan_unit_transfer(
         remote_indices: Vec::new(),
         bytes: 0,
         blocks: ids.num_pairs(),
+        runs: Vec::new(),
         descriptors: 0,
     };
     finish_plan(&mut plan, moves, dest);

@@ -2,8 +2,13 @@
 //! blocks, a handle to poll it, and what it moved.
 //!
 //! Invariants:
-//! - One transfer is one `make_xfer_req` over the prepared lists and one post; NIXL merges runs of
-//!   blocks consecutive on both sides into single descriptors (`descriptors.rs`).
+//! - One transfer is one request and one post. Where the plan's moves merge into fewer runs
+//!   contiguous on both sides (consecutive blocks of a per-layer array; in a block-major device
+//!   cache every layer of a run of blocks), the request is created from those runs
+//!   (`create_xfer_req`), one descriptor each: each costs ~5-10 us over CUDA IPC whatever its size,
+//!   and NIXL does not merge prepared descriptors itself. Otherwise it is `make_xfer_req` over the
+//!   prepared lists' indices. Runs never cross an allocation: host arrays are separate heap
+//!   allocations (never contiguous), and a GPU's block-major cache is one allocation.
 //! - A notification attached to a transfer reaches the peer only once the transfer is complete,
 //!   and NIXL sends it from the status check: a transfer's notification goes out only if someone
 //!   polls its handle ([`TransferHandle::poll`] / [`TransferHandle::wait`]) until it is done.
@@ -15,7 +20,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use nixl_sys::{OptArgs, XferOp, XferRequest, XferStatus};
+use nixl_sys::{OptArgs, XferDescList, XferOp, XferRequest, XferStatus};
 
 use super::agent::{LocalSide, NixlAgent, PeerEntry};
 use super::descriptors::Side;
@@ -332,10 +337,23 @@ impl NixlAgent {
             TransferOp::Read => XferOp::Read,
             TransferOp::Write => XferOp::Write,
         };
-        let req = self
-            .local
-            .agent
-            .make_xfer_req(
+        let req = if plan.runs.len() < plan.local_indices.len() {
+            let list = |mem, remote: bool| -> Result<XferDescList, KvConnectorError> {
+                let mut l = XferDescList::new(mem).map_err(|e| failed(e.to_string()))?;
+                for r in &plan.runs {
+                    match remote {
+                        false => l.add_desc(r.local, r.len, r.local_device),
+                        true => l.add_desc(r.remote, r.len, r.remote_device),
+                    }
+                }
+                Ok(l)
+            };
+            let (local, remote) = (list(self.local.mem, false)?, list(peer.mem, true)?);
+            self.local
+                .agent
+                .create_xfer_req(xop, &local, &remote, &peer.name, Some(&opt))
+        } else {
+            self.local.agent.make_xfer_req(
                 xop,
                 local_split
                     .as_ref()
@@ -345,7 +363,8 @@ impl NixlAgent {
                 &plan.remote_indices,
                 Some(&opt),
             )
-            .map_err(|e| failed(format!("request creation: {}", describe(&e))))?;
+        }
+        .map_err(|e| failed(format!("request creation: {}", describe(&e))))?;
         let in_progress = self
             .local
             .agent

@@ -211,6 +211,34 @@ def transfer_bench(a, logs, common):
     print(f"  end-to-end request through the proxy: {med([r[0] for r in rows]) * 1e3:.1f} ms")
 
 
+def serving_bench(a, logs, common):
+    """`tandem bench` (TTFT, ITL, throughput at 1 and 16 streams) on one instance, then on 1P1D
+    (pull) through the proxy, both on this GPU."""
+    bench = [a.bin, "bench", "--concurrency", "1,16", "--requests", "32",
+             "--prompt-tokens", str(a.bench_prompt), "--max-tokens", "64"]
+    d = Deployment(a.bin, logs)
+    d.start("serving-single", common + ["--port", "8391"])
+    d.wait_healthy(8391)
+    print("== one GPU instance", flush=True)
+    subprocess.run(bench + ["--url", "http://127.0.0.1:8391"], check=True)
+    d.stop()
+    d = Deployment(a.bin, logs)
+    d.start("serving-prefill", common + [
+        "--port", "8100", "--kv-transfer-config", transfer_config("pull", "kv_producer")])
+    d.start("serving-decode", common + [
+        "--port", "8200", "--kv-transfer-config", transfer_config("pull", "kv_consumer")])
+    d.start("serving-proxy", ["proxy", "--host", "127.0.0.1", "--port", "8000",
+                              "--prefill", "http://127.0.0.1:8100",
+                              "--decode", "http://127.0.0.1:8200"])
+    d.wait_healthy(8000)
+    print("== 1P1D (pull) on the same GPU, through the proxy", flush=True)
+    try:
+        subprocess.run(bench + ["--url", "http://127.0.0.1:8000",
+                                "--kv-metrics-url", "http://127.0.0.1:8200"], check=True)
+    finally:
+        d.stop()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bin", required=True)
@@ -223,12 +251,17 @@ def main():
     ap.add_argument("--transfer-bench", action="store_true")
     ap.add_argument("--bench-tokens", type=int, default=8000)
     ap.add_argument("--bench-runs", type=int, default=5)
+    ap.add_argument("--serving-bench", action="store_true")
+    ap.add_argument("--bench-prompt", type=int, default=1000)
     a = ap.parse_args()
     logs = tempfile.mkdtemp(prefix="tandem-gpu-pd.")
     print(f"logs in {logs}")
     common = ["serve", "--device", "cuda", "--host", "127.0.0.1",
               "--kv-cache-memory", a.kv_cache_memory] + a.model_args.split()
     os.environ.setdefault("TANDEM_KV_TRANSFER_SECRET", "gpu-pd-check-secret")
+    if a.serving_bench:
+        serving_bench(a, logs, common)
+        return
     if a.transfer_bench:
         transfer_bench(a, logs, common + ["--max-model-len", str(a.bench_tokens + 64)])
         return

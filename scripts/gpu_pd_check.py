@@ -10,9 +10,9 @@ corrupts every load it receives (`kv_fault_injection`) behind its own proxy: eve
 as a mismatch and recomputed, and the answers are still equal. Exits non-zero on the first failed
 check. Standard library only (the GPU machine has no extra Python packages).
 
-`--transfer-bench` instead measures KV transfer in pull mode on configs/llama-8b-kv-shape.json
-(a dummy model with Llama 3.1 8B's KV shape: 32 layers x 8 KV heads x 128, 128 KiB of bf16 KV
-per token): prompts of `--bench-tokens` tokens through the proxy, the decode instance's transfer
+`--transfer-bench` instead measures KV transfer in pull mode on the model of `--model-args`
+(configs/llama-8b-dummy.json: Llama 3.1 8B's shape with dummy weights, 128 KiB of bf16 KV per
+token; configs/llama-8b-kv-shape.json: the same KV shape with small matrices): prompts of `--bench-tokens` tokens through the proxy, the decode instance's transfer
 bytes and seconds per request, against a device-to-device copy of the same bytes in the same run
 (torch, when present), and the checksum's share of the consumer's load-to-first-token time.
 """
@@ -114,8 +114,10 @@ def answers(port, model, max_tokens):
     for q in PROMPTS:
         r = post(f"http://127.0.0.1:{port}/v1/chat/completions", {
             "model": model, "temperature": 0, "max_tokens": max_tokens,
-            "messages": [{"role": "user", "content": q}]})
-        out.append(r["choices"][0]["message"]["content"])
+            "return_token_ids": True, "messages": [{"role": "user", "content": q}]})
+        choice = r["choices"][0]
+        # Token ids too: a dummy model's byte-level text may be empty.
+        out.append((choice["message"]["content"], choice["token_ids"]))
     return out
 
 
@@ -271,6 +273,7 @@ def main():
     d.wait_healthy(8391)
     reference = answers(8391, a.served, a.max_tokens)
     print("single-instance answers:", json.dumps(reference)[:300])
+    check(all(len(ids) > 0 for _, ids in reference), "the single instance answers every prompt")
     d.stop()
 
     for mode in a.modes.split(","):
@@ -300,8 +303,11 @@ def main():
             check(verified == len(PROMPTS) and loads == verified,
                   f"{mode}: every load verified by checksum ({verified:.0f}/{len(PROMPTS)})")
             check(metric(m, "tandem:kv_load_failures_total") == 0, f"{mode}: no load failed")
-            moved = metric(m, "tandem:kv_transfer_bytes_total")
-            secs = metric(m, "tandem:kv_transfer_seconds_sum")
+            # The side that posts the transfers counts them: the consumer in pull, the producer
+            # in push.
+            mover = m if mode == "pull" else get("http://127.0.0.1:8100/metrics")
+            moved = metric(mover, "tandem:kv_transfer_bytes_total")
+            secs = metric(mover, "tandem:kv_transfer_seconds_sum")
             print(f"{mode}: moved {moved / 1e6:.2f} MB of KV in {secs * 1e3:.2f} ms "
                   f"({moved / max(secs, 1e-9) / 1e9:.2f} GB/s over {len(PROMPTS)} transfers)")
 

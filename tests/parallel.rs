@@ -148,6 +148,12 @@ async fn a_dummy_model_with_replicated_kv_heads_serves_at_tp4() {
         "the config's stem names it"
     );
     let want = greedy_all(&tp1, 12).await;
+    assert!(
+        tp1.metric("tandem:num_requests_running", &[("model_name", "gqa-8x2")])
+            .await
+            .is_some(),
+        "the metrics are labelled with the served name"
+    );
     drop(tp1);
     let mut args = base.to_vec();
     args.extend(["--tensor-parallel-size", "4"]);

@@ -670,11 +670,11 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let limits =
         tandem_http_edge::EdgeLimits::new(args.max_connections, args.header_read_timeout_secs)
             .context("--max-connections / --header-read-timeout-secs")?;
-    let model_name = args
-        .served_model_name
-        .first()
-        .cloned()
-        .unwrap_or_else(|| args.model.clone());
+    // The name the API serves (a dummy model's default is its config file's stem).
+    let model_name = match args.served_model_name.first() {
+        Some(name) => name.clone(),
+        None => load_format(&args)?.1,
+    };
     let prometheus = install_prometheus(&model_name)?;
     let instance = build_instance(&args, Some(prometheus))?;
     let addr = if host.contains(':') && !host.starts_with('[') {

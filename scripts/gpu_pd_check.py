@@ -109,16 +109,47 @@ class Deployment:
         self.procs = []
 
 
+# A greedy choice whose top two logprobs are closer than this is a near-tie: bf16 roundings that
+# differ between paths (the prefill kernel on one instance, the decode kernel for the last prompt
+# token on the other) may flip it. Answers must agree up to the first such position.
+NEAR_TIE = 0.05
+
+
 def answers(port, model, max_tokens):
+    """Per prompt: (text, token ids, top-two logprob margin per position)."""
     out = []
     for q in PROMPTS:
         r = post(f"http://127.0.0.1:{port}/v1/chat/completions", {
             "model": model, "temperature": 0, "max_tokens": max_tokens,
-            "return_token_ids": True, "messages": [{"role": "user", "content": q}]})
+            "return_token_ids": True, "logprobs": True, "top_logprobs": 2,
+            "messages": [{"role": "user", "content": q}]})
         choice = r["choices"][0]
+        margins = []
+        for entry in choice["logprobs"]["content"]:
+            top = sorted((t["logprob"] for t in entry["top_logprobs"]), reverse=True)
+            margins.append(top[0] - top[1] if len(top) > 1 else float("inf"))
         # Token ids too: a dummy model's byte-level text may be empty.
-        out.append((choice["message"]["content"], choice["token_ids"]))
+        out.append((choice["message"]["content"], choice["token_ids"], margins))
     return out
+
+
+def same_answers(reference, got, what):
+    """Checks that `got` equals `reference` token for token, or up to a position where the
+    reference's greedy choice was a near-tie (then the rest may differ); prints the divergences."""
+    identical = 0
+    for i, ((_, want, margins), (_, have, _)) in enumerate(zip(reference, got)):
+        if want == have:
+            identical += 1
+            continue
+        at = next((j for j, (x, y) in enumerate(zip(want, have)) if x != y),
+                  min(len(want), len(have)))
+        margin = margins[at] if at < len(margins) else float("inf")
+        print(f"  {what}: prompt {i} diverges at token {at} of {len(want)} "
+              f"(reference top-two margin {margin:.4f})")
+        check(margin < NEAR_TIE, f"{what}: prompt {i} diverges only at a near-tie")
+    check(len(got) == len(reference), f"{what}: every prompt answered")
+    print(f"OK   {what}: {identical}/{len(reference)} answers identical token for token, the "
+          "others equal up to a near-tie")
 
 
 def check(cond, what):
@@ -272,8 +303,8 @@ def main():
     d.start("single", common + ["--port", "8391"])
     d.wait_healthy(8391)
     reference = answers(8391, a.served, a.max_tokens)
-    print("single-instance answers:", json.dumps(reference)[:300])
-    check(all(len(ids) > 0 for _, ids in reference), "the single instance answers every prompt")
+    print("single-instance answers:", json.dumps([r[:2] for r in reference])[:300])
+    check(all(len(r[1]) > 0 for r in reference), "the single instance answers every prompt")
     d.stop()
 
     for mode in a.modes.split(","):
@@ -294,7 +325,7 @@ def main():
             d.wait_healthy(port)
         try:
             got = answers(8000, a.served, a.max_tokens)
-            check(got == reference, f"{mode}: the 1P1D answers equal the single GPU instance's")
+            same_answers(reference, got, f"{mode}: 1P1D against the single GPU instance")
             m = get("http://127.0.0.1:8200/metrics")
             loads = metric(m, "tandem:kv_checksum_loads_total")
             verified = metric(m, "tandem:kv_checksum_loads_total", {"verdict": "verified"})
@@ -312,8 +343,8 @@ def main():
                   f"({moved / max(secs, 1e-9) / 1e9:.2f} GB/s over {len(PROMPTS)} transfers)")
 
             bad = answers(8001, a.served, a.max_tokens)
-            check(bad == reference, f"{mode}: with every load corrupted, the answers still "
-                  "equal (caught and recomputed)")
+            same_answers(reference, bad, f"{mode}: every load corrupted, caught and recomputed,"
+                         " against the single GPU instance")
             m = get("http://127.0.0.1:8300/metrics")
             mismatched = metric(m, "tandem:kv_checksum_loads_total", {"verdict": "mismatch"})
             check(mismatched == len(PROMPTS),

@@ -150,11 +150,18 @@ impl KvStorage {
                 s.layers.len()
             )));
         }
+        let mut seen = std::collections::HashSet::new();
         for r in &regions {
             let l = s.layers.get(r.layer).ok_or(KvCacheError::LayerOutOfRange {
                 layer: r.layer,
                 num_layers: s.layers.len(),
             })?;
+            if !seen.insert((r.layer, r.part)) {
+                return Err(KvCacheError::Device(format!(
+                    "layer {} {:?} has two device regions",
+                    r.layer, r.part
+                )));
+            }
             let bb = l.layout.block_bytes();
             let need = (l.layout.num_blocks - 1)
                 .checked_mul(r.block_stride)
@@ -721,6 +728,44 @@ mod tests {
         });
         let e = KvStorage::on_device(&cfg, LayoutOrder::TokenMajor, &[4], small).unwrap_err();
         assert!(matches!(e, KvCacheError::Device(_)), "{e}");
+        // Two regions for one array (and none for another) are refused.
+        let twice = Arc::new(TwiceK(Interleaved {
+            bytes: std::sync::Mutex::new(vec![0; 4 * 2 * 2 * bb]),
+            block_bytes: bb,
+            layers: 2,
+        }));
+        let e = KvStorage::on_device(&cfg, LayoutOrder::TokenMajor, &[4], twice).unwrap_err();
+        assert!(e.to_string().contains("two device regions"), "{e}");
+    }
+
+    /// Memory that names layer 0's K region in place of its V region.
+    #[derive(Debug)]
+    struct TwiceK(Interleaved);
+
+    impl DeviceKvMemory for TwiceK {
+        fn device_id(&self) -> u64 {
+            self.0.device_id()
+        }
+        fn regions(&self) -> Vec<MemoryRegion> {
+            let mut r = self.0.regions();
+            r[1] = r[0];
+            r
+        }
+        fn allocations(&self) -> Vec<Allocation> {
+            self.0.allocations()
+        }
+        fn read_block(&self, layer: usize, part: KvPart, block: usize) -> Result<Vec<u8>, String> {
+            self.0.read_block(layer, part, block)
+        }
+        fn write_block(
+            &self,
+            layer: usize,
+            part: KvPart,
+            block: usize,
+            bytes: &[u8],
+        ) -> Result<(), String> {
+            self.0.write_block(layer, part, block, bytes)
+        }
     }
 
     #[test]

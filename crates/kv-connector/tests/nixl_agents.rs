@@ -520,6 +520,17 @@ impl BlockMajor {
         &all[o..o + self.layout.block_bytes()]
     }
     fn agent(&self, engine: &str) -> tandem_kv_connector::nixl::NixlAgent {
+        self.agent_with(engine, |_, _| {}).expect("NIXL agent")
+    }
+    /// An agent over this memory, its layers and allocations edited by `edit` first.
+    fn agent_with(
+        &self,
+        engine: &str,
+        edit: impl FnOnce(
+            &mut Vec<tandem_kv_connector::nixl::KvLayerMemory>,
+            &mut Vec<tandem_kv_cache::Allocation>,
+        ),
+    ) -> Result<tandem_kv_connector::nixl::NixlAgent, tandem_kv_connector::KvConnectorError> {
         use tandem_kv_cache::{Allocation, MemoryKind, MemoryRegion};
         let total = self.words.len() * 8;
         let stride = 2 * self.layers * self.layout.block_bytes();
@@ -533,7 +544,7 @@ impl BlockMajor {
                 block_stride: stride,
             }
         };
-        let layers = (0..self.layers)
+        let mut layers = (0..self.layers)
             .map(|l| tandem_kv_connector::nixl::KvLayerMemory {
                 name: format!("model.layers.{l}.self_attn"),
                 layout: self.layout,
@@ -547,19 +558,20 @@ impl BlockMajor {
                 memory: MemoryKind::Host,
             })
             .collect();
-        let alloc = Allocation {
+        let mut allocations = vec![Allocation {
             addr: self.base(),
             len: total,
-        };
-        // SAFETY: the test keeps `self` alive (and unmoved) past the agent and its transfers.
+        }];
+        edit(&mut layers, &mut allocations);
+        // SAFETY: the test keeps `self` alive (and unmoved) past the agent and its transfers;
+        // edited regions that leave the memory are refused before anything is registered.
         unsafe {
             tandem_kv_connector::nixl::NixlAgent::with_memory(
                 NixlAgentConfig::new(engine, MODEL),
                 layers,
-                vec![alloc],
+                allocations,
             )
         }
-        .expect("NIXL agent")
     }
 }
 
@@ -586,6 +598,7 @@ fn block_major_memory_moves_each_run_of_blocks_as_one_descriptor() {
         .unwrap();
     assert_eq!(stats.descriptors, 2);
     assert_eq!(stats.bytes, (4 * 3 * 2 * p_mem.layout.block_bytes()) as u64);
+    assert!(hs.layers.iter().all(|l| l.allocations == Some([0, 0])));
     for layer in 0..3 {
         for part in [KvPart::K, KvPart::V] {
             for (&r, &l) in remote.iter().zip(&local) {
@@ -602,4 +615,21 @@ fn block_major_memory_moves_each_run_of_blocks_as_one_descriptor() {
     }
     drop(consumer);
     drop(producer);
+}
+
+#[test]
+fn memory_an_agent_cannot_describe_is_refused_at_creation() {
+    let mem = BlockMajor::new(0);
+    // A region reaching past every allocation.
+    let e = mem
+        .agent_with("short", |_, allocations| allocations[0].len -= 1)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("lies in no allocation"), "{e}");
+    // K and V at different strides: the handshake has one stride per layer.
+    let e = mem
+        .agent_with("strides", |layers, _| layers[1].v.block_stride *= 2)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("different strides"), "{e}");
 }

@@ -31,7 +31,7 @@ use nixl_sys::{
 };
 use tandem_kv_cache::{Allocation, BlockLayout, KvPart, KvStorage, MemoryKind, MemoryRegion};
 
-use super::descriptors::{DescTable, RegionGeometry};
+use super::descriptors::{DescTable, RegionGeometry, OWN_ALLOCATION};
 use super::handshake::{HandshakeMismatch, LayerInfo, NixlHandshake, RegionInfo};
 use super::library::{load_nixl, NixlLibrary};
 use super::nixl_err;
@@ -460,11 +460,32 @@ impl NixlAgent {
         let mut infos = Vec::with_capacity(layers.len());
         let mem = side_memory(layers.iter().map(|l| l.memory))?;
         for l in &layers {
-            for r in [l.k, l.v] {
+            if l.k.block_stride != l.v.block_stride {
+                // The handshake carries one stride per layer.
+                return Err(KvConnectorError::InvalidRegions(format!(
+                    "layer {}: K and V blocks at different strides ({} and {} bytes)",
+                    l.name, l.k.block_stride, l.v.block_stride
+                )));
+            }
+            let mut holders = [0u32; 2];
+            for (part, r) in [l.k, l.v].into_iter().enumerate() {
                 let bb = l.layout.block_bytes();
+                let holder = allocations
+                    .iter()
+                    .position(|(a, _)| {
+                        r.addr >= a.addr && r.addr.saturating_add(r.len) <= a.addr + a.len
+                    })
+                    .ok_or_else(|| {
+                        KvConnectorError::InvalidRegions(format!(
+                            "layer {}: a region of {} bytes at {:#x} lies in no allocation",
+                            l.name, r.len, r.addr
+                        ))
+                    })?;
+                holders[part] = holder as u32;
                 geometry.push(RegionGeometry {
                     block_stride: r.block_stride,
                     device: nixl_memory(l.memory).1,
+                    allocation: holder as u64,
                     ..RegionGeometry::array(r.addr, r.len, bb, l.layout.num_blocks, l.group)
                 });
             }
@@ -480,6 +501,7 @@ impl NixlAgent {
                 block_stride: l.k.block_stride,
                 memory: l.memory.name().to_string(),
                 device: nixl_memory(l.memory).1,
+                allocations: Some(holders),
                 ..LayerInfo::new(&l.name, &l.layout, info(l.k), info(l.v))
             });
         }
@@ -625,10 +647,14 @@ impl NixlAgent {
         }
         let mut geometry = Vec::with_capacity(2 * peer.layers.len());
         for l in &peer.layers {
-            for r in [l.k, l.v] {
+            for (part, r) in [l.k, l.v].into_iter().enumerate() {
                 geometry.push(RegionGeometry {
                     block_stride: l.stride(),
                     device: l.device,
+                    // A peer that names no allocations has each array in its own; ids it names
+                    // only decide where runs may merge (NIXL checks every descriptor against
+                    // the peer's registrations).
+                    allocation: l.allocations.map_or(OWN_ALLOCATION, |a| a[part] as u64),
                     // Transfers pick ids by the local region's group.
                     ..RegionGeometry::array(
                         r.addr as usize,

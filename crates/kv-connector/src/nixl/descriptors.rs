@@ -57,7 +57,16 @@ pub struct RegionGeometry {
     pub units: usize,
     /// The GPU holding the region (device memory), 0 for host memory.
     pub device: u64,
+    /// The registered allocation holding the region: moves merge into one descriptor only
+    /// within one allocation on each side (NIXL refuses a descriptor spanning two
+    /// registrations, even where they happen to be adjacent). [`OWN_ALLOCATION`]: the region
+    /// is an allocation of its own.
+    pub allocation: u64,
 }
+
+/// [`RegionGeometry::allocation`] of a region known only to be its own allocation;
+/// [`DescTable::new`] gives each such region a distinct id.
+pub const OWN_ALLOCATION: u64 = u64::MAX;
 
 impl RegionGeometry {
     /// A per-layer array: `num_blocks` blocks of `block_bytes` back to back.
@@ -77,6 +86,7 @@ impl RegionGeometry {
             block_stride: block_bytes,
             units: 1,
             device: 0,
+            allocation: OWN_ALLOCATION,
         }
     }
 
@@ -172,9 +182,15 @@ pub struct DescTable {
 }
 
 impl DescTable {
-    pub fn new(regions: Vec<RegionGeometry>) -> Result<Self, KvConnectorError> {
+    pub fn new(mut regions: Vec<RegionGeometry>) -> Result<Self, KvConnectorError> {
         if regions.is_empty() {
             return Err(KvConnectorError::InvalidRegions("no regions".into()));
+        }
+        for (i, r) in regions.iter_mut().enumerate() {
+            if r.allocation == OWN_ALLOCATION {
+                // Above any id a caller gives (those are u32): distinct from all of them.
+                r.allocation = (1 << 63) | i as u64;
+            }
         }
         let mut offsets = Vec::with_capacity(regions.len());
         let mut total = 0usize;
@@ -376,7 +392,10 @@ pub fn plan_transfer(
                 local: (local.index(r, l), local.addr(r, l)),
                 remote: (remote.index(r, rm), remote.addr(r, rm)),
                 bytes: region.block_bytes,
-                devices: (region.device, remote.regions[r].device),
+                spaces: (
+                    (region.device, region.allocation),
+                    (remote.regions[r].device, remote.regions[r].allocation),
+                ),
             });
         }
     }
@@ -390,7 +409,8 @@ struct Move {
     local: (i32, usize),
     remote: (i32, usize),
     bytes: usize,
-    devices: (u64, u64),
+    /// (device, allocation) of the local and of the remote side.
+    spaces: ((u64, u64), (u64, u64)),
 }
 
 /// Orders `moves` by source address (runs contiguous on both sides then sit together, and NIXL
@@ -402,16 +422,18 @@ fn finish_plan(plan: &mut TransferPlan, mut moves: Vec<Move>, dest: Side) {
     }
     plan.local_indices.reserve(moves.len());
     plan.remote_indices.reserve(moves.len());
+    // The (device, allocation) pair of the last run: a run never leaves its allocations.
+    let mut last_spaces = None;
     for m in moves {
         plan.local_indices.push(m.local.0);
         plan.remote_indices.push(m.remote.0);
         plan.bytes += m.bytes as u64;
-        let (local_device, remote_device) = m.devices;
+        let ((local_device, _), (remote_device, _)) = m.spaces;
         match plan.runs.last_mut() {
             Some(r)
                 if r.local + r.len == m.local.1
                     && r.remote + r.len == m.remote.1
-                    && (r.local_device, r.remote_device) == m.devices =>
+                    && last_spaces == Some(m.spaces) =>
             {
                 r.len += m.bytes
             }
@@ -423,6 +445,7 @@ fn finish_plan(plan: &mut TransferPlan, mut moves: Vec<Move>, dest: Side) {
                 remote_device,
             }),
         }
+        last_spaces = Some(m.spaces);
     }
     plan.descriptors = plan.runs.len();
 }
@@ -473,7 +496,7 @@ pub fn plan_unit_transfer(
                     remote.addr(m.remote_region, remote_unit),
                 ),
                 bytes: lr.block_bytes,
-                devices: (lr.device, rr.device),
+                spaces: ((lr.device, lr.allocation), (rr.device, rr.allocation)),
             });
         }
     }
@@ -723,6 +746,44 @@ mod tests {
         assert!(plan_transfer(&local, &table(2, 8, 32), &pairs(&[1], &[1]), Side::Local).is_err());
     }
 
+    #[test]
+    fn runs_never_span_two_allocations_even_when_adjacent() {
+        // Two arrays of 4 blocks of 16 bytes, the second right after the first, on both sides:
+        // block 3 of the first and block 0 of the second touch in memory on both sides.
+        let side = |base: usize, allocations: [u64; 2]| {
+            DescTable::new(
+                (0..2)
+                    .map(|r| RegionGeometry {
+                        allocation: allocations[r],
+                        ..RegionGeometry::array(base + r * 64, 64, 16, 4, 0)
+                    })
+                    .collect(),
+            )
+            .unwrap()
+        };
+        let ids = pairs(&[3, 0], &[3, 0]);
+        let apart = plan_transfer(
+            &side(0x1000, [OWN_ALLOCATION; 2]),
+            &side(0x9000, [7, 8]),
+            &ids,
+            Side::Local,
+        )
+        .unwrap();
+        assert_eq!(apart.descriptors, 4, "{:?}", apart.runs);
+        let together = plan_transfer(
+            &side(0x1000, [0, 0]),
+            &side(0x9000, [7, 7]),
+            &ids,
+            Side::Local,
+        )
+        .unwrap();
+        assert_eq!(together.descriptors, 3, "{:?}", together.runs);
+        assert_eq!(
+            (together.runs[1].local, together.runs[1].len),
+            (0x1000 + 48, 32)
+        );
+    }
+
     /// A block-major side: `layers` layers whose K and V of block `b` sit together, every
     /// layer of a block contiguous (`[block][layer][K, V][bb]`), `blocks` blocks.
     fn block_major(base: usize, layers: usize, blocks: usize, bb: usize) -> DescTable {
@@ -731,6 +792,7 @@ mod tests {
             (0..2 * layers)
                 .map(|r| RegionGeometry {
                     block_stride: stride,
+                    allocation: 0,
                     ..RegionGeometry::array(base + r * bb, blocks * stride - r * bb, bb, blocks, 0)
                 })
                 .collect(),

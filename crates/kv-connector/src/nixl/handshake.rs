@@ -11,7 +11,9 @@
 //! invalid; `layers[i]` describes storage layer `i`, its K and V arrays each covering at least
 //! `(num_blocks - 1) * stride + block_bytes` bytes, block `b` at `addr + b * stride` (`stride` is
 //! `block_stride`, or `block_bytes` when that is 0), in the memory `memory` names (host DRAM, or
-//! the VRAM of GPU `device`); every layer of one handshake is in one kind of memory.
+//! the VRAM of GPU `device`); every layer of one handshake is in one kind of memory. Allocation
+//! ids only say where a transfer may merge blocks into one descriptor: a peer that lies about
+//! them makes its own transfers fail (NIXL checks every descriptor against its registrations).
 
 use serde::{Deserialize, Serialize};
 
@@ -24,7 +26,8 @@ use crate::error::KvConnectorError;
 /// bump on any change of meaning. Peers with different versions never connect, so neither side
 /// misreads the other's notifications. 2: push mode (`kv_mode`, the push notifications). 3: the
 /// layers of every TP rank and pipeline stage of an instance, with the model heads each holds.
-pub const HANDSHAKE_PROTOCOL_VERSION: u32 = 3;
+/// 4: block strides, memory kind and device, allocation ids (device memory, block-major caches).
+pub const HANDSHAKE_PROTOCOL_VERSION: u32 = 4;
 
 /// One contiguous array (a layer's K or V) of a peer, as its process sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -73,6 +76,10 @@ pub struct LayerInfo {
     /// The GPU holding them (`vram`), 0 for host memory.
     #[serde(default)]
     pub device: u64,
+    /// Ids of the registered allocations holding K and V: arrays with one id are one
+    /// allocation, which a transfer may cross in one descriptor. Absent: each array is its own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allocations: Option<[u32; 2]>,
 }
 
 fn dram() -> String {
@@ -101,6 +108,7 @@ impl LayerInfo {
             block_stride: 0,
             memory: dram(),
             device: 0,
+            allocations: None,
         }
     }
 

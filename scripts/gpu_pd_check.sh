@@ -3,7 +3,7 @@
 # checked), in pull and push mode, KV moved VRAM to VRAM by NIXL and verified by the GPU checksum
 # kernel. Needs the CUDA build staged by scripts/gpu_build.sh (out/gpu/tandem), the model
 # (out/gpu-model/{a,b}, see gpu_build.sh --model) and NIXL for CUDA 13: the nixl-cu13 wheel in
-# .tools/wheels (scripts/gpu_build.sh --nixl downloads it; the cu12 wheel's UCX CUDA transports do
+# .tools/wheels (scripts/gpu_build.sh downloads it; the cu12 wheel's UCX CUDA transports do
 # not load against CUDA 13), unpacked here into out/nixl-cu13.
 # Usage: scripts/gpu_pd_check.sh [extra gpu_pd_check.py flags, e.g. --modes pull]
 set -euo pipefail

@@ -191,16 +191,22 @@ def device_copy_gbps(nbytes):
     return nbytes / sorted(times[2:])[len(times[2:]) // 2] / 1e9
 
 
-def transfer_bench(a, logs, common):
+def pull_pd(a, logs, common, name):
+    """A pull-mode 1P1D on this GPU: prefill :8100, decode :8200, proxy :8000, healthy."""
     d = Deployment(a.bin, logs)
-    d.start("bench-prefill", common + [
+    d.start(f"{name}-prefill", common + [
         "--port", "8100", "--kv-transfer-config", transfer_config("pull", "kv_producer")])
-    d.start("bench-decode", common + [
+    d.start(f"{name}-decode", common + [
         "--port", "8200", "--kv-transfer-config", transfer_config("pull", "kv_consumer")])
-    d.start("bench-proxy", ["proxy", "--host", "127.0.0.1", "--port", "8000",
-                            "--prefill", "http://127.0.0.1:8100",
-                            "--decode", "http://127.0.0.1:8200"])
+    d.start(f"{name}-proxy", ["proxy", "--host", "127.0.0.1", "--port", "8000",
+                              "--prefill", "http://127.0.0.1:8100",
+                              "--decode", "http://127.0.0.1:8200"])
     d.wait_healthy(8000)
+    return d
+
+
+def transfer_bench(a, logs, common):
+    d = pull_pd(a, logs, common, "bench")
     rows = []
     try:
         for i in range(a.bench_runs + 1):
@@ -255,15 +261,7 @@ def serving_bench(a, logs, common):
     print("== one GPU instance", flush=True)
     subprocess.run(bench + ["--url", "http://127.0.0.1:8391"], check=True)
     d.stop()
-    d = Deployment(a.bin, logs)
-    d.start("serving-prefill", common + [
-        "--port", "8100", "--kv-transfer-config", transfer_config("pull", "kv_producer")])
-    d.start("serving-decode", common + [
-        "--port", "8200", "--kv-transfer-config", transfer_config("pull", "kv_consumer")])
-    d.start("serving-proxy", ["proxy", "--host", "127.0.0.1", "--port", "8000",
-                              "--prefill", "http://127.0.0.1:8100",
-                              "--decode", "http://127.0.0.1:8200"])
-    d.wait_healthy(8000)
+    d = pull_pd(a, logs, common, "serving")
     print("== 1P1D (pull) on the same GPU, through the proxy", flush=True)
     try:
         subprocess.run(bench + ["--url", "http://127.0.0.1:8000",

@@ -298,10 +298,7 @@ pub fn build_instance(
     let tokenizer = Arc::new(loaded.tokenizer);
     let tok = Arc::new(Tokenizer(tokenizer.clone()));
     let guidance = guidance(&tokenizer);
-    let mut names = args.served_model_name.clone();
-    if names.is_empty() {
-        names.push(spec.clone());
-    }
+    let names = served_names(args, &spec);
     let auth = transfer_auth(args, transfer.as_ref())?;
     let (connector_sched, connector_worker, kv_routes): ConnectorParts = match &transfer {
         None => (Box::new(NoopConnector), Box::new(NoopConnector), None),
@@ -556,6 +553,16 @@ fn guidance(tokenizer: &TextTokenizer) -> Result<tandem_structured::Guidance, St
     g
 }
 
+/// The names the API serves: `--served-model-name`, else the spec loaded (for dummy weights,
+/// the config file's stem by default). Never empty.
+fn served_names(args: &ServeArgs, spec: &str) -> Vec<String> {
+    if args.served_model_name.is_empty() {
+        vec![spec.to_string()]
+    } else {
+        args.served_model_name.clone()
+    }
+}
+
 /// `--load-format` and `--model-config`, and the spec to load: for dummy weights `--model` is
 /// only the name, and the default name gives way to the config file's stem.
 fn load_format(args: &ServeArgs) -> anyhow::Result<(LoadFormat, String)> {
@@ -670,11 +677,8 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let limits =
         tandem_http_edge::EdgeLimits::new(args.max_connections, args.header_read_timeout_secs)
             .context("--max-connections / --header-read-timeout-secs")?;
-    // The name the API serves (a dummy model's default is its config file's stem).
-    let model_name = match args.served_model_name.first() {
-        Some(name) => name.clone(),
-        None => load_format(&args)?.1,
-    };
+    // Labelled with the first name the API serves, as vLLM labels its metrics.
+    let model_name = served_names(&args, &load_format(&args)?.1).swap_remove(0);
     let prometheus = install_prometheus(&model_name)?;
     let instance = build_instance(&args, Some(prometheus))?;
     let addr = if host.contains(':') && !host.starts_with('[') {

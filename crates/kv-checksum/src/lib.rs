@@ -42,6 +42,7 @@
 //! - `kernel`: the CPU inner loop (private).
 //! - [`backend`]: [`ChecksumBackend`], its jobs, the CPU backend and [`KvSource`].
 //! - [`worker`]: per-worker setup and per-request records.
+//! - [`incremental`]: one request's records computed in parts, as a load's chunks land.
 //! - [`record`]: what a worker reports.
 //! - [`schedule`]: which blocks are checksummed.
 //! - [`merge`]: summing the workers' records.
@@ -53,6 +54,7 @@ pub mod backend;
 pub mod definition;
 pub mod error;
 pub mod file;
+pub mod incremental;
 mod kernel;
 pub mod merge;
 pub mod record;
@@ -71,6 +73,7 @@ pub use definition::{
 };
 pub use error::KvChecksumError;
 pub use file::{checksum_safetensors, checksum_safetensors_file, FileChecksums};
+pub use incremental::IncrementalChecksum;
 pub use merge::{GroupChecks, MergedChecksums, MergedGroup, MergedState, RecordMerger};
 pub use record::{
     GroupOutcome, GroupRecord, GroupValues, ReplicaKey, ReplicaPart, RequestRecord, SkipReason,

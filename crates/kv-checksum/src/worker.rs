@@ -21,13 +21,11 @@ use tandem_kv_cache::{
     spec::layer_number, BlockLayout, KvCacheConfig, KvCacheGroup, KvCacheSpec, KvStorage,
 };
 
-use crate::backend::{BlockJob, ChecksumBackend, GroupJob, LayerJob};
+use crate::backend::{BlockJob, ChecksumBackend, LayerJob};
 use crate::definition::{layer_fingerprint, pieces_per_token, MAX_KV_HEADS_PER_LAYER};
 use crate::error::KvChecksumError;
-use crate::record::{
-    GroupOutcome, GroupRecord, GroupValues, ReplicaKey, ReplicaPart, RequestRecord, SkipReason,
-    WorkerId,
-};
+use crate::incremental::IncrementalChecksum;
+use crate::record::{GroupValues, ReplicaKey, RequestRecord, SkipReason, WorkerId};
 use crate::schedule::{ChecksumRequest, ScheduledGroup};
 
 /// Which side of a transfer a worker checksums for.
@@ -146,16 +144,42 @@ pub struct WorkerGroup {
 }
 
 #[derive(Debug, Clone)]
-struct ReadyGroup {
-    block_size: usize,
+pub(crate) struct ReadyGroup {
+    pub(crate) block_size: usize,
     layers: Vec<(LayerJob, ReplicaKey)>,
 }
 
+impl ReadyGroup {
+    /// The layers `role` sums, each with its output column, and the replica key of each column:
+    /// a producer sums replica 0 only, a consumer every replica it holds.
+    pub(crate) fn columns(&self, role: Role) -> (Vec<LayerJob>, Vec<ReplicaKey>) {
+        let mut keys: Vec<ReplicaKey> = Vec::new();
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for (job, key) in &self.layers {
+            if role == Role::Producer && key.index != 0 {
+                continue;
+            }
+            let column = match keys.iter().position(|k| k == key) {
+                Some(c) => c,
+                None => {
+                    keys.push(*key);
+                    keys.len() - 1
+                }
+            };
+            layers.push(LayerJob {
+                column,
+                ..job.clone()
+            });
+        }
+        (layers, keys)
+    }
+}
+
 #[derive(Debug, Clone)]
-struct PreparedGroup {
-    group_id: usize,
-    fingerprint: u64,
-    state: Result<ReadyGroup, SkipReason>,
+pub(crate) struct PreparedGroup {
+    pub(crate) group_id: usize,
+    pub(crate) fingerprint: u64,
+    pub(crate) state: Result<ReadyGroup, SkipReason>,
 }
 
 /// A worker's checksum setup: decided once, used for every request.
@@ -247,47 +271,23 @@ impl WorkerChecksums {
     }
 
     /// Checksums one request's scheduled blocks. Never fails: a group the backend refuses is
-    /// reported as [`GroupOutcome::Failed`], which the scheduler treats as unverified.
+    /// reported as [`crate::GroupOutcome::Failed`], which the scheduler treats as unverified.
     pub fn checksum(
         &self,
         backend: &dyn ChecksumBackend,
         role: Role,
         request: &ChecksumRequest,
     ) -> RequestRecord {
-        let groups = request
-            .groups
-            .iter()
-            .map(|sg| {
-                let Some(p) = self.groups.iter().find(|g| g.group_id == sg.group_id) else {
-                    // A group this worker holds no layer of (another PP stage's).
-                    return GroupRecord {
-                        group_id: sg.group_id,
-                        fingerprint: 0,
-                        outcome: GroupOutcome::Computed(values_shell(sg, request.num_tokens)),
-                    };
-                };
-                let outcome = match &p.state {
-                    Err(reason) => GroupOutcome::Skipped(reason.clone()),
-                    Ok(ready) => match run_group(backend, role, ready, sg, request.num_tokens) {
-                        Ok(values) => GroupOutcome::Computed(values),
-                        Err(e) => GroupOutcome::Failed(e.to_string()),
-                    },
-                };
-                GroupRecord {
-                    group_id: sg.group_id,
-                    fingerprint: p.fingerprint,
-                    outcome,
-                }
-            })
-            .collect();
-        RequestRecord {
-            worker: self.worker,
-            groups,
-        }
+        IncrementalChecksum::new(self, role, request).finish(backend)
+    }
+
+    /// This worker's share of group `group_id`, if it holds any of its layers.
+    pub(crate) fn group(&self, group_id: usize) -> Option<&PreparedGroup> {
+        self.groups.iter().find(|g| g.group_id == group_id)
     }
 }
 
-fn values_shell(sg: &ScheduledGroup, num_tokens: usize) -> GroupValues {
+pub(crate) fn values_shell(sg: &ScheduledGroup, num_tokens: usize) -> GroupValues {
     GroupValues {
         block_size: sg.block_size,
         start: sg.start,
@@ -331,60 +331,6 @@ pub(crate) fn block_jobs(
             })
         })
         .collect()
-}
-
-fn run_group(
-    backend: &dyn ChecksumBackend,
-    role: Role,
-    ready: &ReadyGroup,
-    sg: &ScheduledGroup,
-    num_tokens: usize,
-) -> Result<GroupValues, KvChecksumError> {
-    if sg.block_size != ready.block_size {
-        return Err(KvChecksumError::InvalidJob(format!(
-            "scheduled block size {} differs from the cache's {}",
-            sg.block_size, ready.block_size
-        )));
-    }
-    let blocks = block_jobs(sg, num_tokens)?;
-    let mut keys: Vec<ReplicaKey> = Vec::new();
-    let mut layers = Vec::with_capacity(ready.layers.len());
-    for (job, key) in &ready.layers {
-        if role == Role::Producer && key.index != 0 {
-            continue;
-        }
-        let column = match keys.iter().position(|k| k == key) {
-            Some(c) => c,
-            None => {
-                keys.push(*key);
-                keys.len() - 1
-            }
-        };
-        layers.push(LayerJob {
-            column,
-            ..job.clone()
-        });
-    }
-    let nb = blocks.len();
-    let mut out = vec![0u64; keys.len() * nb];
-    backend.checksum(
-        &GroupJob {
-            layers: &layers,
-            blocks: &blocks,
-            columns: keys.len(),
-        },
-        &mut out,
-    )?;
-    let mut values = values_shell(sg, num_tokens);
-    values.parts = keys
-        .iter()
-        .enumerate()
-        .map(|(c, &key)| ReplicaPart {
-            key,
-            values: out[c * nb..(c + 1) * nb].to_vec(),
-        })
-        .collect();
-    Ok(values)
 }
 
 /// The name up to and including its layer-number component (`model.layers.0.self_attn.attn` ->

@@ -5,5 +5,6 @@ mod backend;
 mod common;
 mod definition;
 mod file;
+mod incremental;
 mod scheduler;
 mod wire;

@@ -25,6 +25,8 @@ use crate::worker::Worker;
 enum Command {
     Add(Box<Request>),
     Abort(u64),
+    /// A connector has something to report (see [`Worker::set_waker`]): run a step now.
+    Wake,
     Shutdown,
 }
 
@@ -37,7 +39,7 @@ const CHECKSUM_POLL_INTERVAL: Duration = Duration::from_micros(50);
 /// A cloneable handle to the engine thread.
 #[derive(Clone)]
 pub struct EngineHandle {
-    tx: mpsc::Sender<Command>,
+    tx: Arc<mpsc::Sender<Command>>,
     alive: Arc<AtomicBool>,
     next_id: Arc<AtomicU64>,
     stats: Arc<Mutex<SchedulerStats>>,
@@ -130,7 +132,7 @@ impl std::fmt::Debug for EngineHandle {
 pub struct RequestStream {
     pub request_id: u64,
     rx: UnboundedReceiver<RequestEvent>,
-    tx: mpsc::Sender<Command>,
+    tx: Arc<mpsc::Sender<Command>>,
     finished: bool,
 }
 
@@ -175,6 +177,15 @@ impl EngineHandle {
         vocab_size: usize,
     ) -> Result<EngineHandle, EngineError> {
         let (tx, rx) = mpsc::channel();
+        let tx = Arc::new(tx);
+        // The waker must not keep the channel open: the loop ends when every handle is gone.
+        let weak = Arc::downgrade(&tx);
+        let mut worker = worker;
+        worker.set_waker(Arc::new(move || {
+            if let Some(tx) = weak.upgrade() {
+                let _ = tx.send(Command::Wake);
+            }
+        }));
         let alive = Arc::new(AtomicBool::new(true));
         let stats = Arc::new(Mutex::new(scheduler.stats()));
         let validator = Arc::new(RequestValidator {
@@ -263,6 +274,7 @@ fn apply(scheduler: &mut Scheduler, cmd: Command) -> bool {
     match cmd {
         Command::Add(req) => scheduler.add_request(*req),
         Command::Abort(id) => scheduler.abort_request(id),
+        Command::Wake => {}
         Command::Shutdown => return false,
     }
     true

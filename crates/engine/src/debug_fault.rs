@@ -79,6 +79,10 @@ impl FaultyWorker {
 }
 
 impl Worker for FaultyWorker {
+    fn set_waker(&mut self, waker: tandem_kv_connector::base::Waker) {
+        self.inner.set_waker(waker);
+    }
+
     fn execute(&mut self, step: &SchedulerOutput) -> Result<WorkerOutput, EngineError> {
         if step.has_model_work() {
             self.model_steps += 1;

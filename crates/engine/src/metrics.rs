@@ -86,6 +86,7 @@ pub const KV_CHECKSUM_UNVERIFIED_TOTAL: &str = "tandem:kv_checksum_unverified_to
 pub const KV_CHECKSUM_MISMATCHED_BLOCKS_TOTAL: &str = "tandem:kv_checksum_mismatched_blocks_total";
 pub const KV_CHECKSUM_SENDS_TOTAL: &str = "tandem:kv_checksum_sends_total";
 pub const KV_CHECKSUM_COMPUTE_SECONDS: &str = "tandem:kv_checksum_compute_seconds";
+pub const KV_CHECKSUM_LOAD_WAIT_SECONDS: &str = "tandem:kv_checksum_load_wait_seconds";
 
 /// Registers descriptions, so that `/metrics` documents every series.
 pub fn describe() {
@@ -218,6 +219,12 @@ pub fn describe() {
         KV_CHECKSUM_COMPUTE_SECONDS,
         Unit::Seconds,
         "Worker time spent computing KV checksums per step."
+    );
+    describe_histogram!(
+        KV_CHECKSUM_LOAD_WAIT_SECONDS,
+        Unit::Seconds,
+        "Per load and worker: time spent checksumming after the load's last byte landed (what \
+         its request waits for; chunks checksummed while later ones moved are not in it)."
     );
     describe_histogram!(
         REQUEST_QUEUE_TIME_SECONDS,

@@ -219,6 +219,10 @@ impl ModelWorker {
 }
 
 impl Worker for ModelWorker {
+    fn set_waker(&mut self, waker: tandem_kv_connector::base::Waker) {
+        self.connector.set_waker(waker);
+    }
+
     fn execute(&mut self, step: &SchedulerOutput) -> Result<WorkerOutput, EngineError> {
         self.rank.begin_step(step);
         let sampled = self

@@ -146,6 +146,10 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
 }
 
 impl Worker for ParallelWorker {
+    fn set_waker(&mut self, waker: tandem_kv_connector::base::Waker) {
+        self.connector.set_waker(waker);
+    }
+
     fn execute(&mut self, step: &SchedulerOutput) -> Result<WorkerOutput, EngineError> {
         for rank in &mut self.ranks {
             rank.begin_step(step);

@@ -4,12 +4,18 @@
 //! workers can stand where one worker stands now. [`FlatBatch`] lays a step's tokens out for a
 //! forward pass: every scheduled request's tokens one after another, each with its cache slot.
 
+use tandem_kv_connector::base::Waker;
+
 use crate::error::EngineError;
 use crate::scheduler_output::{SchedulerOutput, WorkerOutput};
 
 /// Executes scheduled steps.
 pub trait Worker: Send {
     fn execute(&mut self, step: &SchedulerOutput) -> Result<WorkerOutput, EngineError>;
+    /// Called once before the first step: `waker` runs the engine's next step at once when the
+    /// worker's connector has news (a load finished, or part of one landed) instead of at the
+    /// next poll. Workers without a connector ignore it.
+    fn set_waker(&mut self, _waker: Waker) {}
 }
 
 /// The flattened inputs of one forward pass.

@@ -125,6 +125,10 @@ pub struct ConnectorOutput {
     /// [`KV_CHECKSUMS_PARAM`]) received for a load, reported no later than the load's
     /// `finished_recving`. The scheduler takes the first copy.
     pub kv_checksums: HashMap<u64, String>,
+    /// Consumer: blocks of loads still in flight (or finishing in this output) that hold their
+    /// final bytes: a READ split into chunks reports each chunk's local blocks as it lands, so
+    /// they can be checksummed while the rest moves. Only connectors that split loads report it.
+    pub landed_recving: HashMap<u64, Vec<BlockId>>,
     pub stats: TransferStats,
 }
 
@@ -138,6 +142,9 @@ impl ConnectorOutput {
         self.invalid_block_ids.extend(other.invalid_block_ids);
         for (id, payload) in other.kv_checksums {
             self.kv_checksums.entry(id).or_insert(payload);
+        }
+        for (id, blocks) in other.landed_recving {
+            self.landed_recving.entry(id).or_default().extend(blocks);
         }
         self.stats.merge(other.stats);
     }
@@ -384,6 +391,11 @@ impl RankKvCaches {
     }
 }
 
+/// Wakes the engine loop when a connector has something new to report (a load finished, or part
+/// of one landed), so it need not wait for its next poll. Cheap and non-blocking; may be called
+/// from any thread, any number of times.
+pub type Waker = Arc<dyn Fn() + Send + Sync>;
+
 /// The worker side of a connector.
 pub trait KvConnectorWorker: Send {
     /// Called once with the worker's KV storage before the first step.
@@ -408,6 +420,9 @@ pub trait KvConnectorWorker: Send {
     fn start_load_kv(&mut self, metadata: &ConnectorMetadata) -> Result<(), KvConnectorError>;
     /// Transfers that finished since the last call.
     fn get_finished(&mut self) -> ConnectorOutput;
+    /// Called once by the engine: the connector calls `waker` when [`Self::get_finished`] has
+    /// something new (connectors that never wake are polled).
+    fn set_waker(&mut self, _waker: Waker) {}
 }
 
 /// The connector of a single instance: nothing comes from elsewhere, nothing outlives a request.

@@ -29,6 +29,7 @@
 //! | `kv_lease_duration` | seconds a producer holds a finished request's blocks for its consumer (renewed by the consumer) | 30 |
 //! | `load_timeout` | seconds a consumer's READ may take, from its post (push: how long a consumer waits for the producer's WRITE after registering its blocks) | 30 |
 //! | `handshake_timeout` | seconds to fetch a producer's handshake | 5 |
+//! | `read_chunk_bytes` | a consumer splits a READ larger than this into chunks of about this many bytes (at most 32), posted two at a time, and checksums each chunk's blocks while the next moves; `0`: one READ per load | 134217728 (128 MiB) |
 //! | `nixl_lib_dir` | directory of `libnixl_capi.so` (see `nixl::library`) | discovery |
 //! | `progress_thread` | run NIXL's progress thread | on for the passive side (pull: `kv_producer`/`kv_both`; push: `kv_consumer`/`kv_both`), off for the side that only initiates |
 //! | `transport_fault_injection` | testing only: a fault where the bytes move (`corrupt_source`, `wrong_block`, `slow_read`; see `pull::fault`) | none |
@@ -97,6 +98,9 @@ pub const DEFAULT_SIDE_CHANNEL_HOST: &str = "127.0.0.1";
 pub const DEFAULT_KV_LEASE_DURATION: Duration = Duration::from_secs(30);
 pub const DEFAULT_LOAD_TIMEOUT: Duration = Duration::from_secs(30);
 pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Default `read_chunk_bytes`: an 8B model's 8000-token prompt (1 GiB of bf16 KV) moves in 8
+/// chunks.
+pub const DEFAULT_READ_CHUNK_BYTES: u64 = 128 << 20;
 /// Longest duration any of the duration keys accepts.
 pub const MAX_DURATION: Duration = Duration::from_secs(24 * 3600);
 /// Longest `engine_id`; it travels in every `kv_transfer_params`.
@@ -127,8 +131,9 @@ const TOP_KEYS: [&str; 9] = [
     "kv_checksum_fail_closed",
     "kv_fault_injection",
 ];
-const EXTRA_KEYS: [&str; 8] = [
+const EXTRA_KEYS: [&str; 9] = [
     "side_channel_host",
+    "read_chunk_bytes",
     "transport_fault_injection",
     "allowed_producers",
     "kv_lease_duration",
@@ -208,6 +213,8 @@ pub struct NixlExtraConfig {
     pub kv_lease_duration: Duration,
     pub load_timeout: Duration,
     pub handshake_timeout: Duration,
+    /// READs larger than this are split into chunks of about this size; 0: never split.
+    pub read_chunk_bytes: u64,
     pub nixl_lib_dir: Option<PathBuf>,
     /// `None` in the JSON means: the role's default ([`KvTransferConfig::progress_thread`]).
     pub progress_thread: Option<bool>,
@@ -244,6 +251,7 @@ impl NixlExtraConfig {
             kv_lease_duration: DEFAULT_KV_LEASE_DURATION,
             load_timeout: DEFAULT_LOAD_TIMEOUT,
             handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
+            read_chunk_bytes: DEFAULT_READ_CHUNK_BYTES,
             nixl_lib_dir: None,
             progress_thread: None,
             allowed_producers: None,
@@ -490,6 +498,7 @@ impl KvTransferConfig {
             "kv_lease_duration": x.kv_lease_duration.as_secs_f64(),
             "load_timeout": x.load_timeout.as_secs_f64(),
             "handshake_timeout": x.handshake_timeout.as_secs_f64(),
+            "read_chunk_bytes": x.read_chunk_bytes,
             "progress_thread": self.progress_thread(),
         });
         if let Some(dir) = &x.nixl_lib_dir {
@@ -619,6 +628,16 @@ fn parse_extra(
     if let Some(d) = get_secs(extra, "handshake_timeout")? {
         cfg.handshake_timeout = d;
     }
+    match extra.get("read_chunk_bytes") {
+        None | Some(Value::Null) => {}
+        Some(v) => {
+            cfg.read_chunk_bytes = v.as_u64().ok_or_else(|| {
+                invalid(format!(
+                    "read_chunk_bytes must be a whole number of bytes (0: never split), got {v}"
+                ))
+            })?
+        }
+    }
     if let Some(dir) = get_str(extra, "nixl_lib_dir")? {
         if dir.is_empty() {
             return Err(invalid("nixl_lib_dir must not be empty"));
@@ -717,6 +736,7 @@ mod tests {
         assert_eq!(x.kv_lease_duration, Duration::from_secs(30));
         assert_eq!(x.load_timeout, Duration::from_secs(30));
         assert_eq!(x.handshake_timeout, Duration::from_secs(5));
+        assert_eq!(x.read_chunk_bytes, 128 << 20);
         assert!(!c.enable_kv_checksum && !c.kv_checksum_fail_closed);
         assert!(c.kv_fault_injection.is_none());
         assert!(c.kv_partial_recompute);
@@ -736,7 +756,8 @@ mod tests {
                 "kv_checksum_fail_closed":true,"kv_fault_injection":{"drop":0.5},
                 "kv_connector_extra_config":{"side_channel_host":"10.1.2.3",
                   "kv_lease_duration":2.5,"load_timeout":7,"handshake_timeout":1,
-                  "nixl_lib_dir":"/opt/nixl","progress_thread":true}}"#,
+                  "nixl_lib_dir":"/opt/nixl","progress_thread":true,
+                  "read_chunk_bytes":0}}"#,
         )
         .unwrap();
         assert_eq!(c.engine_id, "d0");
@@ -750,6 +771,17 @@ mod tests {
         assert_eq!(x.kv_lease_duration, Duration::from_millis(2500));
         assert_eq!(x.load_timeout, Duration::from_secs(7));
         assert_eq!(x.handshake_timeout, Duration::from_secs(1));
+        assert_eq!(x.read_chunk_bytes, 0);
+        for bad in ["-1", "1.5", "\"64MiB\"", "true"] {
+            let e = err(&format!(
+                r#"{{"kv_connector":"NixlConnector","kv_role":"kv_consumer",
+                    "kv_connector_extra_config":{{"read_chunk_bytes":{bad}}}}}"#
+            ));
+            assert!(
+                e.contains("read_chunk_bytes must be a whole number"),
+                "{bad}: {e}"
+            );
+        }
         assert_eq!(
             x.nixl_lib_dir.as_deref(),
             Some(std::path::Path::new("/opt/nixl"))

@@ -386,6 +386,86 @@ fn a_consumer_loads_the_producers_blocks_byte_for_byte_and_the_producer_frees_on
     round_trip(producer(11), consumer());
 }
 
+/// A READ larger than `read_chunk_bytes` moves chunk by chunk: each chunk's local blocks are
+/// reported landed (holding the producer's bytes) while the rest is in flight, the load ends
+/// once, and the producer frees once, on the done notification sent after the last chunk.
+#[test]
+fn a_read_larger_than_read_chunk_bytes_lands_chunk_by_chunk_then_frees_once() {
+    let mut p = producer(31);
+    let chunked = json!({ "read_chunk_bytes": BLOCK_MOVE_BYTES });
+    let mut c = node_with("kv_consumer", "decode-0", chunked, None);
+    let prompt = prompt(16 * 10 - 3); // 10 blocks
+    let p_blocks: Vec<BlockId> = (12..22).collect();
+    let c_blocks: Vec<BlockId> = (2..12).collect();
+    let params = produce(&mut p, 1, &prompt, &p_blocks);
+    admit(&mut c, 7, &prompt, &params, 0, &c_blocks);
+    let all = pairs(&p_blocks, &c_blocks);
+    let mut landed: Vec<BlockId> = Vec::new();
+    let start = Instant::now();
+    while !(c.seen.finished_recving.contains(&7) && p.seen.finished_sending.contains(&1)) {
+        assert!(start.elapsed() < T, "{:?} / {:?}", c.seen, p.seen);
+        p.step();
+        let out = c.step();
+        if let Some(blocks) = out.landed_recving.get(&7) {
+            assert!(
+                !c.seen.finished_recving.contains(&7) || out.finished_recving.contains(&7),
+                "nothing lands after the load ended"
+            );
+            let now: Vec<(usize, usize)> = all
+                .iter()
+                .copied()
+                .filter(|(_, l)| blocks.contains(&(*l as BlockId)))
+                .collect();
+            assert_eq!(now.len(), blocks.len(), "landed {blocks:?}, not ours");
+            assert_blocks_equal(&p.storage, &c.storage, &now);
+            landed.extend(blocks);
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    assert!(
+        c.seen.failed_recving.is_empty(),
+        "{:?}",
+        c.seen.failed_recving
+    );
+    let mut unique = landed.clone();
+    unique.sort_unstable();
+    unique.dedup();
+    assert_eq!(
+        unique.len(),
+        landed.len(),
+        "a block landed twice: {landed:?}"
+    );
+    // Ten one-block chunks, two in flight: every chunk but those completing with the last one
+    // is reported as it lands.
+    assert!(landed.len() >= 8, "{landed:?}");
+    assert_blocks_equal(&p.storage, &c.storage, &all);
+    assert_eq!(c.seen.stats.bytes, 10 * BLOCK_MOVE_BYTES);
+    assert_eq!(c.seen.stats.transfers.len(), 1, "one load, one record");
+    // Unsplit, the ten consecutive blocks are one run per array (8 descriptors); ten chunks
+    // are ten runs per array.
+    assert_eq!(c.seen.stats.descriptors, 10 * 8);
+    assert_eq!(p.seen.stats.expired_leases, 0);
+    finish_consumer(&mut c, 7, &prompt, &params, &c_blocks);
+    for _ in 0..3 {
+        p.step();
+        c.step();
+    }
+    p.assert_idle();
+    c.assert_idle();
+
+    // The default chunk size (128 MiB) leaves this READ whole: one run per array.
+    let mut c = consumer();
+    let p_blocks: Vec<BlockId> = (22..32).collect();
+    let params = produce(&mut p, 2, &prompt, &p_blocks);
+    admit(&mut c, 8, &prompt, &params, 0, &c_blocks);
+    drive(&mut [&mut p, &mut c], T, |n| {
+        n[1].seen.finished_recving.contains(&8) && n[0].seen.finished_sending.contains(&2)
+    });
+    assert!(c.seen.landed_recving.is_empty());
+    assert_eq!(c.seen.stats.descriptors, 8);
+    assert_blocks_equal(&p.storage, &c.storage, &pairs(&p_blocks, &c_blocks));
+}
+
 #[test]
 fn kv_both_instances_do_both() {
     round_trip(

@@ -5,8 +5,10 @@
 //!    keep the loads announced this step (so a load that finishes at once is still known);
 //! 2. [`ChecksumWorker::start_sends`], after the forward wrote the KV: hand the step's sends to
 //!    the side thread; the step never waits for it;
-//! 3. [`ChecksumWorker::end_step`], after the connector reported finished transfers: inject the
-//!    configured fault into each load reported finished (not failed), checksum it synchronously,
+//! 3. [`ChecksumWorker::end_step`], after the connector reported finished transfers: checksum the
+//!    blocks the connector reported landed for loads still in flight (a READ split into chunks:
+//!    each chunk is checksummed while the next one moves), then inject the configured fault into
+//!    each load reported finished (not failed) and checksum what is left of it synchronously,
 //!    before any later forward can write its blocks, and collect the side thread's records.
 //!
 //! The checksums run on the CPU over host storage, or on the backend the worker was given
@@ -15,9 +17,11 @@
 //! Invariants: every send job is answered by exactly one record, even if its computation
 //! panicked or the thread died (a record whose groups failed, which the scheduler treats as
 //! unverified); the side thread only reads blocks the scheduler holds for it; a load's job is
-//! dropped when its load failed or its request ended.
+//! dropped when its load failed or its request ended; a landed block is checksummed once, and
+//! only blocks the connector reported landed are read before the load finished. A load with an
+//! injected fault is checksummed whole once it finished (the fault picks its blocks then).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::panic::AssertUnwindSafe;
 use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
 use std::sync::Arc;
@@ -27,7 +31,7 @@ use std::time::Instant;
 use tandem_kv_cache::{KvCacheConfig, KvCacheGroup, KvStorage};
 use tandem_kv_checksum::{
     ChecksumBackend, ChecksumRequest, CpuBackend, GroupOutcome, GroupRecord, HeadPlacement,
-    ReplicaKey, RequestRecord, Role, SharedBackend, WorkerChecksums, WorkerId,
+    IncrementalChecksum, ReplicaKey, RequestRecord, Role, SharedBackend, WorkerChecksums, WorkerId,
 };
 use tandem_kv_connector::base::ConnectorOutput;
 use tandem_parallel::{KvHeadSlice, RankId};
@@ -43,7 +47,7 @@ pub struct ChecksumWorker {
     backend: Backend,
     setup: Arc<WorkerChecksums>,
     /// Loads announced by the scheduler, until the connector reports them.
-    loads: HashMap<u64, ChecksumJob>,
+    loads: HashMap<u64, PendingLoad>,
     /// Started with the first send.
     side: Option<SideThread>,
     /// Whether the skipped groups were logged.
@@ -152,7 +156,13 @@ impl ChecksumWorker {
             self.announce();
         }
         for job in &work.recvs {
-            self.loads.insert(job.request_id, job.clone());
+            self.loads.insert(
+                job.request_id,
+                PendingLoad {
+                    job: job.clone(),
+                    landed: None,
+                },
+            );
         }
     }
 
@@ -173,6 +183,7 @@ impl ChecksumWorker {
     pub fn end_step(&mut self, connector: &ConnectorOutput) -> Vec<ChecksumRecord> {
         let mut out = Vec::new();
         let started = Instant::now();
+        let landed = self.checksum_landed(connector);
         let mut ids: Vec<u64> = connector
             .finished_recving
             .iter()
@@ -181,16 +192,14 @@ impl ChecksumWorker {
             .collect();
         ids.sort_unstable();
         for id in &ids {
-            let Some(job) = self.loads.remove(id) else {
+            let Some(PendingLoad { job, landed }) = self.loads.remove(id) else {
                 continue;
             };
             if connector.failed_recving.contains_key(id) {
                 continue; // a failed load is not compared
             }
-            let this_rank = |f: &super::config::BlockFault| {
-                f.tp_rank.is_none_or(|r| r == self.setup.worker().tp_rank)
-            };
-            if let Some(f) = job.fault.filter(this_rank) {
+            let finishing = Instant::now();
+            if let Some(f) = self.fault_of(&job) {
                 // SAFETY: the connector reported the load finished, and the request runs again
                 // only after the scheduler's verdict: nothing else touches its blocks now.
                 if let Some(what) = unsafe { fault::inject(&self.storage, &job.blocks, f) } {
@@ -202,9 +211,12 @@ impl ChecksumWorker {
                     );
                 }
             }
-            let record = self
-                .backend
-                .with(|b| self.setup.checksum(b, Role::Consumer, &job.blocks));
+            let record = self.backend.with(|b| match landed {
+                Some(partial) => partial.finish(b),
+                None => self.setup.checksum(b, Role::Consumer, &job.blocks),
+            });
+            metrics::histogram!(m::KV_CHECKSUM_LOAD_WAIT_SECONDS)
+                .record(finishing.elapsed().as_secs_f64());
             out.push(ChecksumRecord {
                 request_id: job.request_id,
                 generation: job.generation,
@@ -212,7 +224,7 @@ impl ChecksumWorker {
                 record,
             });
         }
-        if !out.is_empty() {
+        if !out.is_empty() || landed > 0 {
             metrics::histogram!(m::KV_CHECKSUM_COMPUTE_SECONDS)
                 .record(started.elapsed().as_secs_f64());
         }
@@ -220,6 +232,41 @@ impl ChecksumWorker {
             side.collect(&self.setup, &mut out);
         }
         out
+    }
+
+    /// The injected fault for `job`'s load on this worker, if any.
+    fn fault_of(&self, job: &ChecksumJob) -> Option<super::config::BlockFault> {
+        let rank = self.setup.worker().tp_rank;
+        job.fault.filter(|f| f.tp_rank.is_none_or(|r| r == rank))
+    }
+
+    /// Checksums the blocks the connector reported landed for announced loads still in flight
+    /// (no injected fault). Returns how many block positions it computed.
+    fn checksum_landed(&mut self, connector: &ConnectorOutput) -> usize {
+        let mut computed = 0;
+        for (id, blocks) in &connector.landed_recving {
+            // A load that ended in this output is finished whole below (and measured there).
+            if connector.finished_recving.contains(id) {
+                continue;
+            }
+            let fault = match self.loads.get(id) {
+                Some(load) => self.fault_of(&load.job).is_some(),
+                None => continue,
+            };
+            if fault {
+                continue;
+            }
+            let landed: HashSet<usize> = blocks.iter().map(|&b| b as usize).collect();
+            let (setup, backend) = (&self.setup, &self.backend);
+            let Some(load) = self.loads.get_mut(id) else {
+                continue;
+            };
+            let partial = load.landed.get_or_insert_with(|| {
+                IncrementalChecksum::new(setup, Role::Consumer, &load.job.blocks)
+            });
+            computed += backend.with(|b| partial.add_ready(b, |block| landed.contains(&block)));
+        }
+        computed
     }
 
     /// Waits for every queued send and returns the records not collected yet (shutdown, tests).
@@ -234,6 +281,13 @@ impl ChecksumWorker {
         }
         out
     }
+}
+
+/// A load announced by the scheduler and not reported finished yet.
+struct PendingLoad {
+    job: ChecksumJob,
+    /// Its checksums so far, once part of it landed.
+    landed: Option<IncrementalChecksum>,
 }
 
 /// What computes a worker's checksums.
@@ -376,5 +430,145 @@ fn run_sends(
             }
         }
         metrics::histogram!(m::KV_CHECKSUM_COMPUTE_SECONDS).record(started.elapsed().as_secs_f64());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tandem_kv_cache::{CacheDtype, KvCacheSpec, KvPart};
+    use tandem_kv_checksum::GroupBlocks;
+
+    fn setup() -> (Arc<KvStorage>, Vec<KvCacheGroup>) {
+        let groups = vec![KvCacheGroup {
+            group_id: 0,
+            spec: KvCacheSpec::FullAttention {
+                block_size: 4,
+                num_kv_heads: 2,
+                head_dim: 8,
+                dtype: CacheDtype::Bf16,
+            },
+            layer_names: (0..3)
+                .map(|l| format!("model.layers.{l}.self_attn"))
+                .collect(),
+        }];
+        let config = KvCacheConfig {
+            num_blocks: 10,
+            groups: groups.clone(),
+        };
+        let storage = Arc::new(KvStorage::new(&config).unwrap());
+        for l in 0..3 {
+            for part in [KvPart::K, KvPart::V] {
+                for b in 0..10 {
+                    // SAFETY: nothing else uses the storage yet.
+                    let bytes = unsafe { storage.block_bytes_mut(l, part, b).unwrap() };
+                    for (i, x) in bytes.iter_mut().enumerate() {
+                        *x = (i * 31 + b * 7 + l * 3) as u8;
+                    }
+                }
+            }
+        }
+        (storage, groups)
+    }
+
+    fn load(groups: &[KvCacheGroup], blocks: &[u32]) -> ChecksumJob {
+        let table: Vec<Option<usize>> = blocks.iter().map(|&b| Some(b as usize)).collect();
+        let g = GroupBlocks {
+            group_id: 0,
+            spec: &groups[0].spec,
+            first_position: 0,
+            blocks: &table,
+        };
+        ChecksumJob {
+            request_id: 1,
+            generation: 0,
+            blocks: ChecksumRequest::for_load(0, 4 * blocks.len() - 1, &[g]),
+            fault: None,
+        }
+    }
+
+    fn flip(storage: &KvStorage, block: usize) {
+        // SAFETY: the test owns the storage; no checksum runs during the call.
+        unsafe { storage.block_bytes_mut(1, KvPart::V, block).unwrap()[5] ^= 0x40 };
+    }
+
+    #[test]
+    fn landed_blocks_are_checksummed_when_reported_and_the_rest_when_the_load_ends() {
+        let (storage, groups) = setup();
+        let job = load(&groups, &[3, 5, 7]);
+        let whole = |s: &KvStorage| {
+            let config = KvCacheConfig {
+                num_blocks: 0,
+                groups: groups.clone(),
+            };
+            WorkerChecksums::single(s, &config).checksum(
+                &CpuBackend::new(s),
+                Role::Consumer,
+                &job.blocks,
+            )
+        };
+        let landed_time = whole(&storage);
+        let mut w = ChecksumWorker::single(storage.clone(), &groups);
+        let work = ChecksumWork {
+            sends: Vec::new(),
+            recvs: vec![job.clone()],
+        };
+        w.begin_step(&work, &[]);
+        let mut out = ConnectorOutput::default();
+        out.landed_recving.insert(1, vec![3, 5, 9]);
+        assert!(
+            w.end_step(&out).is_empty(),
+            "no record before the load ends"
+        );
+        // Block 5 changes after it was reported landed (a landed block never changes in real
+        // use): its value is the one taken at landing, so the record is the landing-time
+        // checksum. Block 7 was not reported landed: it is read when the load ends.
+        flip(&storage, 5);
+        let mut out = ConnectorOutput::default();
+        out.finished_recving.insert(1);
+        let records = w.end_step(&out);
+        assert_eq!(records.len(), 1);
+        assert_eq!(records[0].record, landed_time);
+        assert_eq!(w.num_pending_loads(), 0);
+
+        // Not reported landed: everything is read at the end, changes included.
+        flip(&storage, 5);
+        let mut w = ChecksumWorker::single(storage.clone(), &groups);
+        w.begin_step(&work, &[]);
+        flip(&storage, 7);
+        let records = w.end_step(&out);
+        assert_eq!(records[0].record, whole(&storage));
+        assert_ne!(records[0].record, landed_time);
+    }
+
+    #[test]
+    fn a_load_that_fails_or_ends_drops_what_landed() {
+        let (storage, groups) = setup();
+        let job = load(&groups, &[2, 4]);
+        let work = ChecksumWork {
+            sends: Vec::new(),
+            recvs: vec![job],
+        };
+        let mut w = ChecksumWorker::single(storage.clone(), &groups);
+        w.begin_step(&work, &[]);
+        let mut out = ConnectorOutput::default();
+        out.landed_recving.insert(1, vec![2]);
+        w.end_step(&out);
+        let mut out = ConnectorOutput::default();
+        out.finished_recving.insert(1);
+        out.failed_recving.insert(1, "peer gone".into());
+        assert!(w.end_step(&out).is_empty(), "a failed load is not compared");
+        assert_eq!(w.num_pending_loads(), 0);
+
+        w.begin_step(&work, &[]);
+        let mut out = ConnectorOutput::default();
+        out.landed_recving.insert(1, vec![2, 4]);
+        w.end_step(&out);
+        w.begin_step(&ChecksumWork::default(), &[1]);
+        assert_eq!(
+            w.num_pending_loads(),
+            0,
+            "an ended request's load is dropped"
+        );
     }
 }

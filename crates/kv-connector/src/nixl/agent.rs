@@ -800,6 +800,24 @@ impl NixlAgent {
         Ok(ours / p.block_size)
     }
 
+    /// Bytes a transfer with `peer` moves per pair of block ids, over every local region, when
+    /// its ids name whole local blocks (the same block size on both sides); `None` otherwise.
+    /// A transfer of whole local blocks can be split into chunks of pairs, each landing whole
+    /// blocks (see `pull::loader`).
+    pub fn whole_block_pair_bytes(&self, peer: &str) -> Option<u64> {
+        if self.transfer_ratio(peer).ok()? != 1 {
+            return None;
+        }
+        Some(
+            self.local
+                .table
+                .regions()
+                .iter()
+                .map(|r| (r.block_bytes * r.units) as u64)
+                .sum(),
+        )
+    }
+
     /// The peer's tokens per block, once its handshake was accepted.
     pub fn peer_block_size(&self, peer: &str) -> Option<usize> {
         self.peer(peer).ok().map(|p| p.block_size)

@@ -153,6 +153,42 @@ impl BlockPairs {
         self.0.iter().map(|g| g.local.len()).sum()
     }
 
+    /// Every local block id of every group.
+    pub fn local_ids(&self) -> Vec<usize> {
+        self.0
+            .iter()
+            .flat_map(|g| g.local.iter().copied())
+            .collect()
+    }
+
+    /// Cuts the pairs into at most `parts` transfers, each taking a consecutive share of every
+    /// group's pairs (in their order, so runs that merge stay together); parts without pairs
+    /// are left out. Every pair is in exactly one part. The whole is checked first as one
+    /// transfer to `dest` would be (equal counts, no block written twice), so a split never
+    /// hides what the whole would refuse.
+    pub fn split(&self, parts: usize, dest: Side) -> Result<Vec<BlockPairs>, KvConnectorError> {
+        self.check(dest)?;
+        let parts = parts.max(1);
+        Ok((0..parts)
+            .map(|i| {
+                BlockPairs(
+                    self.0
+                        .iter()
+                        .map(|g| {
+                            let n = g.local.len();
+                            let (lo, hi) = (n * i / parts, n * (i + 1) / parts);
+                            GroupPairs {
+                                local: g.local[lo..hi].to_vec(),
+                                remote: g.remote[lo..hi].to_vec(),
+                            }
+                        })
+                        .collect(),
+                )
+            })
+            .filter(|p| p.num_pairs() > 0)
+            .collect())
+    }
+
     /// Checks each group's lists (see [`plan_transfer`]).
     fn check(&self, dest: Side) -> Result<(), KvConnectorError> {
         self.0

@@ -10,11 +10,18 @@
 //! renew notification, post ONE READ of the request's blocks with the done notification
 //! attached, and poll it until it completes, fails, or `load_timeout` passes.
 //!
+//! A READ larger than `read_chunk_bytes` (of whole local blocks: the producer's block size is
+//! ours) is split into chunks of consecutive pairs, posted [`CHUNKS_IN_FLIGHT`] at a time; each
+//! chunk that completes is reported as `Landed` with its local blocks (the consumer checksums
+//! them while the next chunk moves), and the done notification goes out, by itself, once the
+//! last chunk completed. One claim and one lease cover all chunks.
+//!
 //! Invariants:
 //! - The consumer reads only from peers whose handshake it fetched and accepted itself, and
 //!   only blocks whose lease the producer granted it by a claim.
 //! - Every READ job yields exactly one `Loaded`, `Failed` or `Cancelled` result,
-//!   whatever happens, and a READ's handle is dropped (the transfer cancelled) before its failure
+//!   whatever happens (a split READ's `Landed` reports come before it and are not results: a
+//!   landed block holds its final bytes, and nothing of this load writes it again), and a READ's handle is dropped (the transfer cancelled) before its failure
 //!   or cancellation is reported, so nothing writes into the blocks once the scheduler may reuse
 //!   them. A release job (or a READ cancelled before it started, which becomes one) also yields
 //!   `Released` once the producer was told, or could not be.
@@ -25,18 +32,19 @@
 //! - The thread never blocks on one producer for longer than a poll: handshakes run on their own
 //!   threads, READs are polled together.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::io::Read;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use super::fault::{wrong_block, SplitMix, TransportFault, TransportFaultKind};
 use super::protocol::{LoadKind, PeerAddr, PullNotif};
 use crate::auth::TransferAuth;
+use crate::base::Waker;
 use crate::error::KvConnectorError;
-use crate::nixl::BlockPairs;
+use crate::nixl::{BlockPairs, Side};
 use crate::nixl::{NixlAgent, NixlHandshake, TransferHandle, TransferStats, TransferStatus};
 
 /// Largest handshake body accepted (a few KB per layer; anything near this is hostile).
@@ -46,6 +54,10 @@ const SHUTDOWN_PROGRESS_ROUNDS: u32 = 20;
 /// How long the idle thread waits for a message before checking again (and, without a
 /// progress thread, calling NIXL).
 const IDLE_WAIT: Duration = Duration::from_millis(10);
+/// Most chunks one READ is split into.
+const MAX_READ_CHUNKS: u64 = 32;
+/// Chunks of a split READ in flight at once: one moves while the last one landed is checksummed.
+pub(crate) const CHUNKS_IN_FLIGHT: usize = 2;
 
 /// Timeouts of the loader.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -54,6 +66,8 @@ pub struct LoaderConfig {
     pub handshake_timeout: Duration,
     /// Renew notifications go out every half of this while a READ is in flight.
     pub kv_lease_duration: Duration,
+    /// READs of more bytes are split into chunks of about this size (0: never split).
+    pub read_chunk_bytes: u64,
     /// Call NIXL from the thread while idle too (every 10 ms), draining notifications:
     /// for an agent without progress thread that nobody else drains (a pure consumer), so that
     /// UCX answers its peers' connection traffic between loads.
@@ -86,6 +100,9 @@ impl LoadJob {
 /// How a job ended.
 #[derive(Debug)]
 pub(crate) enum LoadOutcome {
+    /// Part of a split READ completed: these local blocks hold their final bytes. Not an end:
+    /// the job still ends with one of the outcomes below.
+    Landed(Vec<usize>),
     Loaded(TransferStats),
     Failed(String),
     /// The job's cancel flag was seen; nothing writes into its blocks any more.
@@ -132,6 +149,7 @@ enum Msg {
 pub(crate) struct Loader {
     tx: Sender<Msg>,
     results: Receiver<LoadResult>,
+    waker: Arc<OnceLock<Waker>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -144,7 +162,9 @@ impl Loader {
     ) -> Result<Self, KvConnectorError> {
         let (tx, rx) = mpsc::channel();
         let (res_tx, results) = mpsc::channel();
+        let waker = Arc::new(OnceLock::new());
         let state = LoaderThread {
+            waker: waker.clone(),
             agent,
             config,
             tx: tx.clone(),
@@ -169,8 +189,14 @@ impl Loader {
         Ok(Loader {
             tx,
             results,
+            waker,
             thread: Some(thread),
         })
+    }
+
+    /// Called by the thread after each result it reports (the first waker set stays).
+    pub fn set_waker(&self, waker: Waker) {
+        let _ = self.waker.set(waker);
     }
 
     /// Hands a job to the thread; false if the thread is gone.
@@ -196,10 +222,40 @@ impl Drop for Loader {
 struct InFlight {
     job: LoadJob,
     peer_name: String,
-    handle: TransferHandle,
+    /// The job's transfers in flight, each with the local blocks it lands (reported as they
+    /// land when the READ is split).
+    parts: VecDeque<(TransferHandle, Vec<usize>)>,
+    /// A split READ's chunks not posted yet.
+    waiting: VecDeque<BlockPairs>,
+    /// A split READ's done notification, sent once its last chunk completed.
+    done_notif: Option<Vec<u8>>,
+    /// What the completed parts moved.
+    moved: Option<TransferStats>,
     posted: Instant,
     last_renew: Instant,
     polls: u32,
+}
+
+impl InFlight {
+    fn split(&self) -> bool {
+        self.done_notif.is_some()
+    }
+
+    /// Adds a completed part's stats; the duration is the job's, post to now.
+    fn add_moved(&mut self, part: TransferStats) {
+        let total = self.moved.get_or_insert(TransferStats {
+            bytes: 0,
+            blocks: 0,
+            descriptors: 0,
+            post_duration: Duration::ZERO,
+            ..part
+        });
+        total.bytes += part.bytes;
+        total.blocks += part.blocks;
+        total.descriptors += part.descriptors;
+        total.post_duration += part.post_duration;
+        total.duration = self.posted.elapsed();
+    }
 }
 
 struct LoaderThread {
@@ -222,6 +278,8 @@ struct LoaderThread {
     fault: Option<(TransportFault, SplitMix)>,
     /// `slow_read`: granted jobs and when to post their READ.
     delayed: Vec<(Instant, LoadJob, String)>,
+    /// Told after every result (the engine wakes instead of waiting for its next poll).
+    waker: Arc<OnceLock<Waker>>,
 }
 
 impl LoaderThread {
@@ -290,7 +348,7 @@ impl LoaderThread {
 
     fn shutdown(&mut self) {
         for f in std::mem::take(&mut self.in_flight) {
-            drop(f.handle);
+            drop(f.parts);
             self.report(
                 f.job.request_id,
                 LoadOutcome::Failed("the connector shut down".into()),
@@ -341,6 +399,9 @@ impl LoaderThread {
             request_id,
             outcome,
         });
+        if let Some(wake) = self.waker.get() {
+            wake();
+        }
     }
 
     fn fail(&self, job: &LoadJob, reason: String) {
@@ -694,6 +755,7 @@ impl LoaderThread {
         let posted = if let LoadKind::Write { notif, .. } = &job.kind {
             self.agent
                 .write_group_blocks(&name, &job.ids, Some(notif.clone()))
+                .map(|h| (VecDeque::from([(h, Vec::new())]), VecDeque::new(), None))
         } else {
             let renew = PullNotif::Renew(&job.remote_request_id).encode();
             if let Err(e) = self.agent.send_notif(&name, &renew) {
@@ -702,15 +764,18 @@ impl LoaderThread {
                 return;
             }
             let done = PullNotif::Done(&job.remote_request_id).encode();
-            self.agent.read_group_blocks(&name, &job.ids, Some(done))
+            self.post_read(&job, &name, done)
         };
         match posted {
-            Ok(handle) => {
+            Ok((parts, waiting, done_notif)) => {
                 let now = Instant::now();
                 self.in_flight.push(InFlight {
                     job,
                     peer_name: name,
-                    handle,
+                    parts,
+                    waiting,
+                    done_notif,
+                    moved: None,
                     posted: now,
                     last_renew: now,
                     polls: 0,
@@ -735,6 +800,53 @@ impl LoaderThread {
         }
     }
 
+    /// Posts a job's READ: one transfer with `done` attached, or, when it is larger than
+    /// `read_chunk_bytes` and moves whole local blocks, its first chunks (the rest wait, and
+    /// `done` is returned to be sent after the last). On an error nothing stays in flight.
+    #[allow(clippy::type_complexity)]
+    fn post_read(
+        &self,
+        job: &LoadJob,
+        name: &str,
+        done: Vec<u8>,
+    ) -> Result<
+        (
+            VecDeque<(TransferHandle, Vec<usize>)>,
+            VecDeque<BlockPairs>,
+            Option<Vec<u8>>,
+        ),
+        KvConnectorError,
+    > {
+        let chunk = self.config.read_chunk_bytes;
+        let per_pair = self.agent.whole_block_pair_bytes(name);
+        let pairs = job.ids.groups().iter().map(|g| g.local.len()).max();
+        let parts = match (chunk, per_pair, pairs) {
+            (1.., Some(per_pair), Some(pairs)) => (per_pair.saturating_mul(pairs as u64))
+                .div_ceil(chunk)
+                .min(MAX_READ_CHUNKS),
+            _ => 1,
+        };
+        if parts < 2 {
+            let h = self.agent.read_group_blocks(name, &job.ids, Some(done))?;
+            return Ok((VecDeque::from([(h, Vec::new())]), VecDeque::new(), None));
+        }
+        let mut waiting: VecDeque<BlockPairs> = job.ids.split(parts as usize, Side::Local)?.into();
+        let mut posted = VecDeque::new();
+        while posted.len() < CHUNKS_IN_FLIGHT {
+            let Some(chunk) = waiting.pop_front() else {
+                break;
+            };
+            let h = self.agent.read_group_blocks(name, &chunk, None)?;
+            posted.push_back((h, chunk.local_ids()));
+        }
+        tracing::debug!(
+            request = job.request_id,
+            chunks = posted.len() + waiting.len(),
+            "KV READ split into chunks"
+        );
+        Ok((posted, waiting, Some(done)))
+    }
+
     fn poll_in_flight(&mut self) {
         let mut i = 0;
         while i < self.in_flight.len() {
@@ -750,15 +862,23 @@ impl LoaderThread {
                 LoadKind::Write { deadline, .. } => ("WRITE to consumer", *deadline),
                 _ => ("READ from producer", f.posted + self.config.load_timeout),
             };
+            let mut landed: Vec<Vec<usize>> = Vec::new();
             let next = if f.job.cancelled() {
                 Next::Cancelled
             } else {
-                match f.handle.poll() {
-                    TransferStatus::Done(stats) => Next::Done(stats),
-                    TransferStatus::Failed(e) => {
-                        Next::Failed(format!("{what} {} failed: {e}", f.job.peer), true)
+                match poll_parts(&self.agent, f, &mut landed) {
+                    Err(e) => Next::Failed(format!("{what} {} failed: {e}", f.job.peer), true),
+                    Ok(true) => {
+                        if let Some(done) = f.done_notif.take() {
+                            // A split READ: every chunk is in; the producer may free.
+                            if let Err(e) = self.agent.send_notif(&f.peer_name, &done) {
+                                tracing::debug!(producer = %f.job.peer, error = %e,
+                                    "done notification failed (the lease will expire)");
+                            }
+                        }
+                        Next::Done(f.moved.expect("a completed job moved its parts"))
                     }
-                    TransferStatus::Pending if Instant::now() >= deadline => Next::Failed(
+                    Ok(false) if Instant::now() >= deadline => Next::Failed(
                         format!(
                             "{what} {} did not complete within {:?}",
                             f.job.peer,
@@ -766,7 +886,7 @@ impl LoaderThread {
                         ),
                         true,
                     ),
-                    TransferStatus::Pending => {
+                    Ok(false) => {
                         if f.job.kind == LoadKind::Read
                             && f.last_renew.elapsed() >= self.config.kv_lease_duration / 2
                         {
@@ -781,37 +901,82 @@ impl LoaderThread {
                     }
                 }
             };
+            let request_id = self.in_flight[i].job.request_id;
+            // A job that ended reports its end only (a finished load is checksummed whole).
+            if matches!(next, Next::Keep) {
+                for blocks in landed {
+                    self.report(request_id, LoadOutcome::Landed(blocks));
+                }
+            }
             if matches!(next, Next::Keep) {
                 i += 1;
                 continue;
             }
             let f = self.in_flight.swap_remove(i);
-            // The transfer is cancelled (if still in flight) before anything is reported.
-            drop(f.handle);
+            // The transfers are cancelled (those still in flight) before anything is reported.
+            let InFlight {
+                job,
+                peer_name,
+                parts,
+                ..
+            } = f;
+            drop(parts);
             match next {
                 Next::Keep => unreachable!(),
                 Next::Done(stats) => {
                     tracing::debug!(
-                        request = f.job.request_id,
+                        request = job.request_id,
                         bytes = stats.bytes,
                         seconds = stats.seconds(),
                         "KV load done"
                     );
-                    self.report(f.job.request_id, LoadOutcome::Loaded(stats));
+                    self.report(job.request_id, LoadOutcome::Loaded(stats));
                 }
                 Next::Failed(reason, forget) => {
-                    self.fail_transfer(&f.job, &f.peer_name, reason);
+                    self.fail_transfer(&job, &peer_name, reason);
                     if forget {
-                        self.forget(&f.job.peer, &f.peer_name);
+                        self.forget(&job.peer, &peer_name);
                     }
                 }
                 Next::Cancelled => {
-                    let _ = self.release(&f.job, &f.peer_name);
-                    self.report(f.job.request_id, LoadOutcome::Cancelled);
+                    let _ = self.release(&job, &peer_name);
+                    self.report(job.request_id, LoadOutcome::Cancelled);
                 }
             }
         }
     }
+}
+
+/// Polls a job's transfers once each: completed ones are counted (a split READ's local blocks
+/// pushed to `landed`) and replaced by the next waiting chunks. `Ok(true)` once every part completed and
+/// none waits; an error for the first part that failed (or a chunk that could not be posted).
+fn poll_parts(
+    agent: &NixlAgent,
+    f: &mut InFlight,
+    landed: &mut Vec<Vec<usize>>,
+) -> Result<bool, KvConnectorError> {
+    // Only the parts in flight at the call: a chunk posted here is polled next time, so a
+    // READ whose chunks complete at once (host memory) still lands chunk by chunk.
+    let mut k = 0;
+    for _ in 0..f.parts.len() {
+        match f.parts[k].0.poll() {
+            TransferStatus::Pending => k += 1,
+            TransferStatus::Failed(e) => return Err(e),
+            TransferStatus::Done(stats) => {
+                let (handle, blocks) = f.parts.remove(k).expect("k < len");
+                drop(handle);
+                f.add_moved(stats);
+                if f.split() {
+                    landed.push(blocks);
+                }
+                if let Some(chunk) = f.waiting.pop_front() {
+                    let h = agent.read_group_blocks(&f.peer_name, &chunk, None)?;
+                    f.parts.push_back((h, chunk.local_ids()));
+                }
+            }
+        }
+    }
+    Ok(f.parts.is_empty() && f.waiting.is_empty())
 }
 
 /// `POST url` with a JSON body (`what`: a claim, or a push registration signed with

@@ -186,6 +186,7 @@ impl SharedParts {
             kv_lease_duration: extra.kv_lease_duration,
             load_timeout: extra.load_timeout,
             handshake_timeout: extra.handshake_timeout,
+            read_chunk_bytes: extra.read_chunk_bytes,
             auth: auth.clone(),
             transport_fault: extra.transport_fault_injection,
         };

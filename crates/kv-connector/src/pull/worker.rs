@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tandem_kv_cache::KvStorage;
+use tandem_kv_cache::{BlockId, KvStorage};
 
 use super::fault::{TransportFault, TransportFaultKind};
 use super::leases::LeaseTable;
@@ -29,7 +29,7 @@ use super::loader::{LoadJob, LoadOutcome, Loader, LoaderConfig};
 use super::protocol::{LoadKind, LoadSpec, PullMetadata, PullNotif};
 use super::HandshakeProvider;
 use crate::auth::TransferAuth;
-use crate::base::{ConnectorMetadata, ConnectorOutput, KvConnectorWorker, RankKvCaches};
+use crate::base::{ConnectorMetadata, ConnectorOutput, KvConnectorWorker, RankKvCaches, Waker};
 use crate::config::KvRole;
 use crate::error::KvConnectorError;
 use crate::nixl::{NixlAgent, NixlAgentConfig};
@@ -46,6 +46,8 @@ pub struct PullWorkerConfig {
     pub kv_lease_duration: Duration,
     pub load_timeout: Duration,
     pub handshake_timeout: Duration,
+    /// A consumer splits READs larger than this into chunks (`read_chunk_bytes`; 0: never).
+    pub read_chunk_bytes: u64,
     /// The deployment secret: a consumer signs its handshake requests with it.
     pub auth: Option<TransferAuth>,
     /// Testing only: a fault where the bytes move (`pull::fault`).
@@ -74,6 +76,7 @@ impl PullWorkerConfig {
                     load_timeout: self.load_timeout,
                     handshake_timeout: self.handshake_timeout,
                     kv_lease_duration: self.kv_lease_duration,
+                    read_chunk_bytes: self.read_chunk_bytes,
                     progress_when_idle: !self.agent.progress_thread && drain_when_idle,
                 },
                 self.auth.clone(),
@@ -96,6 +99,8 @@ pub struct NixlPullWorker {
     handshake: HandshakeProvider,
     // Drop order: the transfer thread stops before the agent goes.
     loader: Option<Loader>,
+    /// The engine's waker, handed to the transfer thread.
+    waker: Option<Waker>,
     agent: Option<Arc<NixlAgent>>,
     /// Producer: remote request id → lease.
     leases: HashMap<String, Lease>,
@@ -134,6 +139,7 @@ impl NixlPullWorker {
             config,
             handshake,
             loader: None,
+            waker: None,
             agent: None,
             leases: HashMap::new(),
             early_done: HashMap::new(),
@@ -239,6 +245,14 @@ impl NixlPullWorker {
         };
         for r in loader.drain() {
             let id = r.request_id;
+            if let LoadOutcome::Landed(blocks) = r.outcome {
+                // Part of a READ in flight; a cancelled one's blocks are nobody's concern.
+                if !self.cancelled.contains(&id) {
+                    let ids = blocks.into_iter().map(|b| b as BlockId);
+                    out.landed_recving.entry(id).or_default().extend(ids);
+                }
+                continue;
+            }
             let cancelled = self.cancelled.remove(&id);
             match r.outcome {
                 LoadOutcome::Released(res) => {
@@ -247,8 +261,8 @@ impl NixlPullWorker {
                     }
                     continue;
                 }
-                // Pull submits no registrations.
-                LoadOutcome::Registered(_) => continue,
+                // Pull submits no registrations; landings were taken above.
+                LoadOutcome::Registered(_) | LoadOutcome::Landed(_) => continue,
                 _ if cancelled => {
                     self.jobs.remove(&id);
                     out.finished_sending.insert(id);
@@ -423,6 +437,9 @@ impl KvConnectorWorker for NixlPullWorker {
             ),
             !self.config.role.is_producer(),
         )?;
+        if let (Some(l), Some(w)) = (&loader, &self.waker) {
+            l.set_waker(w.clone());
+        }
         self.loader = loader;
         self.agent = Some(agent);
         Ok(())
@@ -453,6 +470,13 @@ impl KvConnectorWorker for NixlPullWorker {
             self.add_lease(l.request_id, &l.remote_request_id, l.deadline);
         }
         Ok(())
+    }
+
+    fn set_waker(&mut self, waker: Waker) {
+        if let Some(l) = &self.loader {
+            l.set_waker(waker.clone());
+        }
+        self.waker = Some(waker);
     }
 
     fn get_finished(&mut self) -> ConnectorOutput {

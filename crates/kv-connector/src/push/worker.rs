@@ -34,7 +34,7 @@ use tandem_kv_cache::KvStorage;
 
 use super::protocol::{PushMetadata, PushNotif, PushSpec, RegisterSpec, Registration};
 use super::registry::PushRegistry;
-use crate::base::{ConnectorMetadata, ConnectorOutput, KvConnectorWorker, RankKvCaches};
+use crate::base::{ConnectorMetadata, ConnectorOutput, KvConnectorWorker, RankKvCaches, Waker};
 use crate::error::KvConnectorError;
 use crate::nixl::{BlockPairs, NixlAgent};
 use crate::pull::fault::{SplitMix, TransportFault, TransportFaultKind};
@@ -75,6 +75,8 @@ pub struct NixlPushWorker {
     registry: PushRegistry,
     // Drop order: the transfer thread stops before the agent goes.
     loader: Option<Loader>,
+    /// The engine's waker, handed to the transfer thread.
+    waker: Option<Waker>,
     agent: Option<Arc<NixlAgent>>,
     /// Producer: finished requests waiting for their registration, by transfer id.
     waiting: HashMap<String, PushSpec>,
@@ -111,6 +113,7 @@ impl NixlPushWorker {
             handshake,
             registry,
             loader: None,
+            waker: None,
             agent: None,
             waiting: HashMap::new(),
             writing: HashMap::new(),
@@ -495,7 +498,10 @@ impl NixlPushWorker {
                         tracing::debug!("KV push notification not delivered: {e}");
                     }
                 }
-                LoadOutcome::Registered(Ok(())) | LoadOutcome::Cancelled => {}
+                // Only READs are split into landing chunks.
+                LoadOutcome::Registered(Ok(()))
+                | LoadOutcome::Cancelled
+                | LoadOutcome::Landed(_) => {}
             }
         }
     }
@@ -535,6 +541,9 @@ impl KvConnectorWorker for NixlPushWorker {
             Some(fault.filter(|f: &TransportFault| f.kind == TransportFaultKind::WrongBlock)),
             !self.config.role.is_consumer(),
         )?;
+        if let (Some(l), Some(w)) = (&loader, &self.waker) {
+            l.set_waker(w.clone());
+        }
         self.loader = loader;
         self.agent = Some(agent);
         Ok(())
@@ -577,6 +586,13 @@ impl KvConnectorWorker for NixlPushWorker {
             }
         }
         Ok(())
+    }
+
+    fn set_waker(&mut self, waker: Waker) {
+        if let Some(l) = &self.loader {
+            l.set_waker(waker.clone());
+        }
+        self.waker = Some(waker);
     }
 
     fn get_finished(&mut self) -> ConnectorOutput {

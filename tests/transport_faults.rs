@@ -174,3 +174,48 @@ async fn a_read_after_the_lease_expired_and_the_blocks_were_reused_is_caught() {
     assert_caught(&d, "slow_read").await;
     common::wait_all_free(&[&p, &d]).await;
 }
+
+/// A consumer that splits its READs into one-block chunks (`read_chunk_bytes`) checksums each
+/// chunk as it lands: a clean load verifies, and a byte flipped in the producer's memory is
+/// still caught and recomputed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chunked_reads_verify_as_they_land_and_a_flipped_byte_is_still_caught() {
+    let long = format!("{PROMPT} {PROMPT} {PROMPT}");
+    let single = Server::serve(&[]);
+    let want = answer(&single.base, &long, None).await;
+    drop(single);
+    // No prefix cache: the second load of the same prompt reads every block again.
+    let d = Server::serve(&[
+        "--kv-transfer-config",
+        &consumer(r#""read_chunk_bytes":1"#),
+        "--enable-prefix-caching",
+        "false",
+    ]);
+    let clean = Server::serve(&["--kv-transfer-config", &producer("")]);
+    let params = prefill(&clean, &long).await;
+    assert!(params["remote_block_ids"].as_array().unwrap().len() >= 4);
+    assert_eq!(answer(&d.base, &long, Some(&params)).await, want);
+    assert_eq!(
+        d.metric("tandem:kv_checksum_loads_total", &[("verdict", "verified")])
+            .await,
+        Some(1.0),
+        "the chunked load verifies"
+    );
+    common::wait_all_free(&[&clean, &d]).await;
+    drop(clean);
+
+    let p = Server::serve(&[
+        "--kv-transfer-config",
+        &producer(r#""transport_fault_injection":{"kind":"corrupt_source","seed":11}"#),
+    ]);
+    let params = prefill(&p, &long).await;
+    assert_eq!(answer(&d.base, &long, Some(&params)).await, want);
+    assert_caught(&d, "corrupt_source, chunked READ").await;
+    assert_eq!(
+        d.metric("tandem:kv_checksum_load_wait_seconds_count", &[])
+            .await,
+        Some(2.0),
+        "each load's wait after its last chunk is measured"
+    );
+    common::wait_all_free(&[&p, &d]).await;
+}

@@ -14,7 +14,9 @@ check. Standard library only (the GPU machine has no extra Python packages).
 (configs/llama-8b-dummy.json: Llama 3.1 8B's shape with dummy weights, 128 KiB of bf16 KV per
 token; configs/llama-8b-kv-shape.json: the same KV shape with small matrices): prompts of `--bench-tokens` tokens through the proxy, the decode instance's transfer
 bytes and seconds per request, against a device-to-device copy of the same bytes in the same run
-(torch, when present), and the checksum's share of the consumer's load-to-first-token time.
+(torch, when present), and the checksum's share of the consumer's load-to-first-token time: the
+checksum time after the load's last byte landed (`tandem:kv_checksum_load_wait_seconds`), once
+per `--read-chunk-bytes` value (default: 128 MiB chunks, then one READ).
 """
 
 import argparse
@@ -97,6 +99,16 @@ class Deployment:
             print(f"---- {name} (last lines of {path})")
             with open(path) as f:
                 print("".join(f.readlines()[-25:]))
+
+    def stop_one(self, name):
+        for n, p in self.procs:
+            if n == name:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+        self.procs = [(n, p) for n, p in self.procs if n != name]
 
     def stop(self):
         for _, p in self.procs:
@@ -206,48 +218,74 @@ def pull_pd(a, logs, common, name):
 
 
 def transfer_bench(a, logs, common):
-    d = pull_pd(a, logs, common, "bench")
-    rows = []
+    """One prefill instance and the proxy; for each `--read-chunk-bytes` value in turn, a decode
+    instance with it: 8000-token prompts through the proxy, the decode instance's transfer and
+    checksum metrics per request (median), against a device copy of the same bytes."""
+    d = Deployment(a.bin, logs)
+    d.start("bench-prefill", common + [
+        "--port", "8100", "--kv-transfer-config", transfer_config("pull", "kv_producer")])
+    d.start("bench-proxy", ["proxy", "--host", "127.0.0.1", "--port", "8000",
+                            "--prefill", "http://127.0.0.1:8100",
+                            "--decode", "http://127.0.0.1:8200"])
+    keys = ("tandem:kv_transfer_bytes_total", "tandem:kv_transfer_seconds_sum",
+            "tandem:kv_transfer_descriptors_total", "tandem:kv_checksum_compute_seconds_sum",
+            "tandem:kv_checksum_load_wait_seconds_sum", "tandem:request_prefill_time_seconds_sum")
+    med = lambda xs: sorted(xs)[len(xs) // 2]
+    copy = None
     try:
-        for i in range(a.bench_runs + 1):
-            before = get("http://127.0.0.1:8200/metrics")
-            # Distinct printable bytes (the dummy tokenizer is byte-level): no prefix cache hit.
-            prompt = "".join(chr(33 + (i * 7919 + j * 104729) % 90) for j in range(a.bench_tokens))
-            t0 = time.time()
-            post("http://127.0.0.1:8000/v1/completions", {
-                "model": a.served, "prompt": prompt, "max_tokens": 1, "temperature": 0})
-            wall = time.time() - t0
-            after = get("http://127.0.0.1:8200/metrics")
-            delta = {k: metric(after, k) - metric(before, k) for k in (
-                "tandem:kv_transfer_bytes_total", "tandem:kv_transfer_seconds_sum",
-                "tandem:kv_transfer_descriptors_total", "tandem:kv_checksum_compute_seconds_sum",
-                "tandem:request_prefill_time_seconds_sum")}
-            verified = (metric(after, "tandem:kv_checksum_loads_total", {"verdict": "verified"})
-                        - metric(before, "tandem:kv_checksum_loads_total", {"verdict": "verified"}))
-            check(verified == 1, f"bench request {i}: its load verified")
-            if i > 0:  # the first warms up
-                rows.append((wall, delta))
+        d.wait_healthy(8100)
+        for k, chunk in enumerate(int(c) for c in a.read_chunk_bytes.split(",")):
+            name = f"bench-decode-{chunk}"
+            d.start(name, common + ["--port", "8200", "--kv-transfer-config", transfer_config(
+                "pull", "kv_consumer", {"kv_connector_extra_config": {"read_chunk_bytes": chunk}})])
+            d.wait_healthy(8200)
+            d.wait_healthy(8000)
+            rows = []
+            for i in range(a.bench_runs + 1):
+                before = get("http://127.0.0.1:8200/metrics")
+                # Distinct printable bytes (the dummy tokenizer is byte-level): no prefix hit.
+                prompt = "".join(chr(33 + ((k * 100 + i) * 7919 + j * 104729) % 90)
+                                 for j in range(a.bench_tokens))
+                t0 = time.time()
+                post("http://127.0.0.1:8000/v1/completions", {
+                    "model": a.served, "prompt": prompt, "max_tokens": 1, "temperature": 0})
+                wall = time.time() - t0
+                after = get("http://127.0.0.1:8200/metrics")
+                delta = {key: metric(after, key) - metric(before, key) for key in keys}
+                verified = (metric(after, "tandem:kv_checksum_loads_total",
+                                   {"verdict": "verified"})
+                            - metric(before, "tandem:kv_checksum_loads_total",
+                                     {"verdict": "verified"}))
+                check(verified == 1, f"read_chunk_bytes {chunk}, request {i}: its load verified")
+                if i > 0:  # the first warms up
+                    rows.append((wall, delta))
+            d.stop_one(name)
+            nbytes = rows[0][1]["tandem:kv_transfer_bytes_total"]
+            if copy is None:
+                copy = device_copy_gbps(int(nbytes))
+            col = lambda key: med([r[1][key] for r in rows])
+            secs = col("tandem:kv_transfer_seconds_sum")
+            total_ck = col("tandem:kv_checksum_compute_seconds_sum")
+            wait = col("tandem:kv_checksum_load_wait_seconds_sum")
+            ltft = col("tandem:request_prefill_time_seconds_sum")
+            print(f"transfer bench, read_chunk_bytes {chunk}: {a.bench_tokens} tokens, "
+                  f"{nbytes / 2**20:.1f} MiB of KV per request, "
+                  f"{col('tandem:kv_transfer_descriptors_total'):.0f} descriptors")
+            print(f"  NIXL READ (post to last completion) {secs * 1e3:.3f} ms = "
+                  f"{nbytes / secs / 1e9:.1f} GB/s (median of {len(rows)})")
+            if copy:
+                print(f"  device copy of the same bytes: {copy:.1f} GB/s read; transfer/copy = "
+                      f"{nbytes / secs / 1e9 / copy:.2f}x")
+            print(f"  consumer checksum: {total_ck * 1e3:.3f} ms in all, {wait * 1e3:.3f} ms after "
+                  f"the last byte landed, of a {ltft * 1e3:.1f} ms load-to-first-token "
+                  f"({100 * wait / max(ltft, 1e-9):.2f}%)")
+            print(f"  end-to-end request through the proxy: {med([r[0] for r in rows]) * 1e3:.1f} "
+                  "ms", flush=True)
     except SystemExit:
         d.dump()
         raise
     finally:
         d.stop()
-    nbytes = rows[0][1]["tandem:kv_transfer_bytes_total"]
-    med = lambda xs: sorted(xs)[len(xs) // 2]
-    secs = med([r[1]["tandem:kv_transfer_seconds_sum"] for r in rows])
-    ck = med([r[1]["tandem:kv_checksum_compute_seconds_sum"] for r in rows])
-    load_to_first = med([r[1]["tandem:request_prefill_time_seconds_sum"] for r in rows])
-    copy = device_copy_gbps(int(nbytes))
-    print(f"transfer bench: {a.bench_tokens} tokens, {nbytes / 2**20:.1f} MiB of KV per request, "
-          f"{rows[0][1]['tandem:kv_transfer_descriptors_total']:.0f} descriptors")
-    print(f"  NIXL READ {secs * 1e3:.3f} ms = {nbytes / secs / 1e9:.1f} GB/s (median of "
-          f"{len(rows)})")
-    if copy:
-        print(f"  device copy of the same bytes: {copy:.1f} GB/s read; transfer/copy = "
-              f"{nbytes / secs / 1e9 / copy:.2f}x")
-    print(f"  consumer checksum {ck * 1e3:.3f} ms of a {load_to_first * 1e3:.1f} ms "
-          f"load-to-first-token ({100 * ck / max(load_to_first, 1e-9):.2f}%)")
-    print(f"  end-to-end request through the proxy: {med([r[0] for r in rows]) * 1e3:.1f} ms")
 
 
 def serving_bench(a, logs, common):
@@ -282,6 +320,11 @@ def main():
     ap.add_argument("--transfer-bench", action="store_true")
     ap.add_argument("--bench-tokens", type=int, default=8000)
     ap.add_argument("--bench-runs", type=int, default=5)
+    ap.add_argument("--check-read-chunk-bytes", type=int, default=None,
+                    help="read_chunk_bytes of the pull checks' clean decode instance (e.g. 65536 "
+                         "to check chunked loads on a small model)")
+    ap.add_argument("--read-chunk-bytes", default="134217728,0",
+                    help="the decode instance's read_chunk_bytes, one run each (0: one READ)")
     ap.add_argument("--serving-bench", action="store_true")
     ap.add_argument("--bench-prompt", type=int, default=1000)
     a = ap.parse_args()
@@ -309,8 +352,12 @@ def main():
         d = Deployment(a.bin, logs)
         d.start(f"{mode}-prefill", common + [
             "--port", "8100", "--kv-transfer-config", transfer_config(mode, "kv_producer")])
+        chunked = {}
+        if mode == "pull" and a.check_read_chunk_bytes is not None:
+            chunked = {"kv_connector_extra_config": {"read_chunk_bytes": a.check_read_chunk_bytes}}
         d.start(f"{mode}-decode", common + [
-            "--port", "8200", "--kv-transfer-config", transfer_config(mode, "kv_consumer")])
+            "--port", "8200", "--kv-transfer-config",
+            transfer_config(mode, "kv_consumer", chunked)])
         d.start(f"{mode}-faulty-decode", common + [
             "--port", "8300", "--kv-transfer-config", transfer_config(mode, "kv_consumer", {
                 "kv_fault_injection": {"kind": "corrupt_byte", "probability": 1.0, "seed": 7}})])
@@ -332,6 +379,10 @@ def main():
             check(verified == len(PROMPTS) and loads == verified,
                   f"{mode}: every load verified by checksum ({verified:.0f}/{len(PROMPTS)})")
             check(metric(m, "tandem:kv_load_failures_total") == 0, f"{mode}: no load failed")
+            steps = metric(m, "tandem:kv_checksum_compute_seconds_count")
+            waits = metric(m, "tandem:kv_checksum_load_wait_seconds_count")
+            print(f"{mode}: consumer checksum steps {steps:.0f} for {waits:.0f} loads (more steps "
+                  "than loads: chunks checksummed while the rest moved)")
             # The side that posts the transfers counts them: the consumer in pull, the producer
             # in push.
             mover = m if mode == "pull" else get("http://127.0.0.1:8100/metrics")

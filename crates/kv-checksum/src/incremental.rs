@@ -107,12 +107,13 @@ impl IncrementalChecksum {
         }
     }
 
-    /// Computes the positions not computed yet whose cache block `ready` accepts (their bytes
-    /// are in place and nothing writes them any more). Returns how many positions it computed.
+    /// Computes the positions not computed yet whose cache block `ready(group_id, block_id)`
+    /// accepts (their bytes are in place and nothing writes them any more). Returns how many
+    /// positions it computed.
     pub fn add_ready(
         &mut self,
         backend: &dyn ChecksumBackend,
-        ready: impl Fn(usize) -> bool,
+        ready: impl Fn(usize, usize) -> bool,
     ) -> usize {
         let mut computed = 0;
         for g in &mut self.groups {
@@ -120,7 +121,7 @@ impl IncrementalChecksum {
                 continue;
             };
             let picked: Vec<usize> = (0..run.blocks.len())
-                .filter(|&i| !run.done[i] && ready(run.blocks[i].block_id))
+                .filter(|&i| !run.done[i] && ready(g.group_id, run.blocks[i].block_id))
                 .collect();
             if picked.is_empty() {
                 continue;
@@ -163,7 +164,7 @@ impl IncrementalChecksum {
 
     /// Computes every position not computed yet and returns the request's record.
     pub fn finish(mut self, backend: &dyn ChecksumBackend) -> RequestRecord {
-        self.add_ready(backend, |_| true);
+        self.add_ready(backend, |_, _| true);
         let groups = self
             .groups
             .into_iter()

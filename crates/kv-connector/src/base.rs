@@ -125,10 +125,11 @@ pub struct ConnectorOutput {
     /// [`KV_CHECKSUMS_PARAM`]) received for a load, reported no later than the load's
     /// `finished_recving`. The scheduler takes the first copy.
     pub kv_checksums: HashMap<u64, String>,
-    /// Consumer: blocks of loads still in flight (or finishing in this output) that hold their
-    /// final bytes: a READ split into chunks reports each chunk's local blocks as it lands, so
+    /// Consumer: blocks of loads still in flight that hold their final bytes, per KV cache group
+    /// (indexed by group id; one list when every group shares one table, as in the transfer's
+    /// block pairs): a READ split into chunks reports each chunk's local blocks as it lands, so
     /// they can be checksummed while the rest moves. Only connectors that split loads report it.
-    pub landed_recving: HashMap<u64, Vec<BlockId>>,
+    pub landed_recving: HashMap<u64, Vec<Vec<BlockId>>>,
     pub stats: TransferStats,
 }
 
@@ -143,10 +144,20 @@ impl ConnectorOutput {
         for (id, payload) in other.kv_checksums {
             self.kv_checksums.entry(id).or_insert(payload);
         }
-        for (id, blocks) in other.landed_recving {
-            self.landed_recving.entry(id).or_default().extend(blocks);
+        for (id, lists) in other.landed_recving {
+            merge_landed(self.landed_recving.entry(id).or_default(), lists);
         }
         self.stats.merge(other.stats);
+    }
+}
+
+/// Adds `more` landed blocks to `into`, list by list (group by group).
+pub fn merge_landed(into: &mut Vec<Vec<BlockId>>, more: Vec<Vec<BlockId>>) {
+    if into.len() < more.len() {
+        into.resize(more.len(), Vec::new());
+    }
+    for (list, blocks) in into.iter_mut().zip(more) {
+        list.extend(blocks);
     }
 }
 

@@ -29,7 +29,7 @@
 //! | `kv_lease_duration` | seconds a producer holds a finished request's blocks for its consumer (renewed by the consumer) | 30 |
 //! | `load_timeout` | seconds a consumer's READ may take, from its post (push: how long a consumer waits for the producer's WRITE after registering its blocks) | 30 |
 //! | `handshake_timeout` | seconds to fetch a producer's handshake | 5 |
-//! | `read_chunk_bytes` | a consumer splits a READ larger than this into chunks of about this many bytes (at most 32), posted two at a time, and checksums each chunk's blocks while the next moves; `0`: one READ per load | 134217728 (128 MiB) |
+//! | `read_chunk_bytes` | pull mode only: a consumer splits a READ larger than this into chunks of about this many bytes (at most 32), posted two at a time, and checksums each chunk's blocks while the next moves; `0`: one READ per load | 134217728 (128 MiB) |
 //! | `nixl_lib_dir` | directory of `libnixl_capi.so` (see `nixl::library`) | discovery |
 //! | `progress_thread` | run NIXL's progress thread | on for the passive side (pull: `kv_producer`/`kv_both`; push: `kv_consumer`/`kv_both`), off for the side that only initiates |
 //! | `transport_fault_injection` | testing only: a fault where the bytes move (`corrupt_source`, `wrong_block`, `slow_read`; see `pull::fault`) | none |
@@ -428,7 +428,16 @@ impl KvTransferConfig {
         };
         let kv_connector_extra_config = match obj.get("kv_connector_extra_config") {
             None | Some(Value::Null) => NixlExtraConfig::defaults(),
-            Some(Value::Object(extra)) => parse_extra(extra, kv_role)?,
+            Some(Value::Object(extra)) => {
+                if kv_connector == NIXL_PUSH_CONNECTOR && extra.contains_key("read_chunk_bytes") {
+                    return Err(invalid(format!(
+                        "read_chunk_bytes splits a consumer's READs (pull mode, \
+                         \"{NIXL_CONNECTOR}\"); in push mode (\"{NIXL_PUSH_CONNECTOR}\") the \
+                         producer WRITEs and nothing is read"
+                    )));
+                }
+                parse_extra(extra, kv_role)?
+            }
             Some(v) => {
                 return Err(invalid(format!(
                     "kv_connector_extra_config must be an object, got {}",
@@ -498,9 +507,11 @@ impl KvTransferConfig {
             "kv_lease_duration": x.kv_lease_duration.as_secs_f64(),
             "load_timeout": x.load_timeout.as_secs_f64(),
             "handshake_timeout": x.handshake_timeout.as_secs_f64(),
-            "read_chunk_bytes": x.read_chunk_bytes,
             "progress_thread": self.progress_thread(),
         });
+        if self.kv_mode() == KvMode::Pull {
+            extra["read_chunk_bytes"] = Value::from(x.read_chunk_bytes);
+        }
         if let Some(dir) = &x.nixl_lib_dir {
             extra["nixl_lib_dir"] = Value::String(dir.display().to_string());
         }

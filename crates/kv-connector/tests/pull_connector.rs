@@ -406,7 +406,9 @@ fn a_read_larger_than_read_chunk_bytes_lands_chunk_by_chunk_then_frees_once() {
         assert!(start.elapsed() < T, "{:?} / {:?}", c.seen, p.seen);
         p.step();
         let out = c.step();
-        if let Some(blocks) = out.landed_recving.get(&7) {
+        if let Some(lists) = out.landed_recving.get(&7) {
+            assert_eq!(lists.len(), 1, "one table for every group");
+            let blocks = &lists[0];
             assert!(
                 !c.seen.finished_recving.contains(&7) || out.finished_recving.contains(&7),
                 "nothing lands after the load ended"

@@ -244,7 +244,7 @@ impl ChecksumWorker {
     /// (no injected fault). Returns how many block positions it computed.
     fn checksum_landed(&mut self, connector: &ConnectorOutput) -> usize {
         let mut computed = 0;
-        for (id, blocks) in &connector.landed_recving {
+        for (id, lists) in &connector.landed_recving {
             // A load that ended in this output is finished whole below (and measured there).
             if connector.finished_recving.contains(id) {
                 continue;
@@ -256,7 +256,19 @@ impl ChecksumWorker {
             if fault {
                 continue;
             }
-            let landed: HashSet<usize> = blocks.iter().map(|&b| b as usize).collect();
+            // Per group, or one list every group shares.
+            let landed: Vec<HashSet<usize>> = lists
+                .iter()
+                .map(|l| l.iter().map(|&b| b as usize).collect())
+                .collect();
+            let ready = |group: usize, block: usize| {
+                let list = if landed.len() == 1 {
+                    landed.first()
+                } else {
+                    landed.get(group)
+                };
+                list.is_some_and(|l| l.contains(&block))
+            };
             let (setup, backend) = (&self.setup, &self.backend);
             let Some(load) = self.loads.get_mut(id) else {
                 continue;
@@ -264,7 +276,7 @@ impl ChecksumWorker {
             let partial = load.landed.get_or_insert_with(|| {
                 IncrementalChecksum::new(setup, Role::Consumer, &load.job.blocks)
             });
-            computed += backend.with(|b| partial.add_ready(b, |block| landed.contains(&block)));
+            computed += backend.with(|b| partial.add_ready(b, ready));
         }
         computed
     }
@@ -440,18 +452,27 @@ mod tests {
     use tandem_kv_checksum::GroupBlocks;
 
     fn setup() -> (Arc<KvStorage>, Vec<KvCacheGroup>) {
-        let groups = vec![KvCacheGroup {
-            group_id: 0,
-            spec: KvCacheSpec::FullAttention {
-                block_size: 4,
-                num_kv_heads: 2,
-                head_dim: 8,
-                dtype: CacheDtype::Bf16,
-            },
-            layer_names: (0..3)
-                .map(|l| format!("model.layers.{l}.self_attn"))
-                .collect(),
-        }];
+        setup_groups(&[(0, 3)])
+    }
+
+    /// One full-attention group per `(first, end)` range of layers, each with its own blocks.
+    fn setup_groups(layers: &[(usize, usize)]) -> (Arc<KvStorage>, Vec<KvCacheGroup>) {
+        let groups: Vec<KvCacheGroup> = layers
+            .iter()
+            .enumerate()
+            .map(|(g, &(first, end))| KvCacheGroup {
+                group_id: g,
+                spec: KvCacheSpec::FullAttention {
+                    block_size: 4,
+                    num_kv_heads: 2,
+                    head_dim: 8,
+                    dtype: CacheDtype::Bf16,
+                },
+                layer_names: (first..end)
+                    .map(|l| format!("model.layers.{l}.self_attn"))
+                    .collect(),
+            })
+            .collect();
         let config = KvCacheConfig {
             num_blocks: 10,
             groups: groups.clone(),
@@ -471,25 +492,33 @@ mod tests {
         (storage, groups)
     }
 
+    /// A load of `blocks` in every group (each group's table holds the same ids).
     fn load(groups: &[KvCacheGroup], blocks: &[u32]) -> ChecksumJob {
         let table: Vec<Option<usize>> = blocks.iter().map(|&b| Some(b as usize)).collect();
-        let g = GroupBlocks {
-            group_id: 0,
-            spec: &groups[0].spec,
-            first_position: 0,
-            blocks: &table,
-        };
+        let tables: Vec<GroupBlocks<'_>> = groups
+            .iter()
+            .map(|g| GroupBlocks {
+                group_id: g.group_id,
+                spec: &g.spec,
+                first_position: 0,
+                blocks: &table,
+            })
+            .collect();
         ChecksumJob {
             request_id: 1,
             generation: 0,
-            blocks: ChecksumRequest::for_load(0, 4 * blocks.len() - 1, &[g]),
+            blocks: ChecksumRequest::for_load(0, 4 * blocks.len() - 1, &tables),
             fault: None,
         }
     }
 
-    fn flip(storage: &KvStorage, block: usize) {
+    fn flip_layer(storage: &KvStorage, layer: usize, block: usize) {
         // SAFETY: the test owns the storage; no checksum runs during the call.
-        unsafe { storage.block_bytes_mut(1, KvPart::V, block).unwrap()[5] ^= 0x40 };
+        unsafe { storage.block_bytes_mut(layer, KvPart::V, block).unwrap()[5] ^= 0x40 };
+    }
+
+    fn flip(storage: &KvStorage, block: usize) {
+        flip_layer(storage, 1, block);
     }
 
     #[test]
@@ -515,7 +544,7 @@ mod tests {
         };
         w.begin_step(&work, &[]);
         let mut out = ConnectorOutput::default();
-        out.landed_recving.insert(1, vec![3, 5, 9]);
+        out.landed_recving.insert(1, vec![vec![3, 5, 9]]);
         assert!(
             w.end_step(&out).is_empty(),
             "no record before the load ends"
@@ -542,6 +571,42 @@ mod tests {
     }
 
     #[test]
+    fn landed_blocks_count_only_in_their_own_group() {
+        // Two groups with their own pools: block 5 of group 0 and block 5 of group 1 are
+        // different memory, and a chunk that landed group 0's says nothing of group 1's.
+        let (storage, groups) = setup_groups(&[(0, 2), (2, 3)]);
+        let job = load(&groups, &[3, 5]);
+        let config = KvCacheConfig {
+            num_blocks: 0,
+            groups: groups.clone(),
+        };
+        let whole = |s: &KvStorage| {
+            WorkerChecksums::single(s, &config).checksum(
+                &CpuBackend::new(s),
+                Role::Consumer,
+                &job.blocks,
+            )
+        };
+        let mut w = ChecksumWorker::single(storage.clone(), &groups);
+        w.begin_step(
+            &ChecksumWork {
+                sends: Vec::new(),
+                recvs: vec![job.clone()],
+            },
+            &[],
+        );
+        let mut out = ConnectorOutput::default();
+        out.landed_recving.insert(1, vec![vec![3, 5], vec![]]);
+        assert!(w.end_step(&out).is_empty());
+        // Group 1's block 5 is still being written when group 0's landed.
+        flip_layer(&storage, 2, 5);
+        let mut out = ConnectorOutput::default();
+        out.finished_recving.insert(1);
+        let records = w.end_step(&out);
+        assert_eq!(records[0].record, whole(&storage));
+    }
+
+    #[test]
     fn a_load_that_fails_or_ends_drops_what_landed() {
         let (storage, groups) = setup();
         let job = load(&groups, &[2, 4]);
@@ -552,7 +617,7 @@ mod tests {
         let mut w = ChecksumWorker::single(storage.clone(), &groups);
         w.begin_step(&work, &[]);
         let mut out = ConnectorOutput::default();
-        out.landed_recving.insert(1, vec![2]);
+        out.landed_recving.insert(1, vec![vec![2]]);
         w.end_step(&out);
         let mut out = ConnectorOutput::default();
         out.finished_recving.insert(1);
@@ -562,7 +627,7 @@ mod tests {
 
         w.begin_step(&work, &[]);
         let mut out = ConnectorOutput::default();
-        out.landed_recving.insert(1, vec![2, 4]);
+        out.landed_recving.insert(1, vec![vec![2, 4]]);
         w.end_step(&out);
         w.begin_step(&ChecksumWork::default(), &[1]);
         assert_eq!(

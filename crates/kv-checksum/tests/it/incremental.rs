@@ -73,9 +73,9 @@ proptest! {
             let mut computed = 0;
             for part in ids.chunks(per) {
                 let landed: Vec<usize> = part.iter().copied().chain([usize::MAX - 1]).collect();
-                computed += inc.add_ready(&counting, |b| landed.contains(&b));
+                computed += inc.add_ready(&counting, |_, b| landed.contains(&b));
                 // The same blocks again compute nothing.
-                prop_assert_eq!(inc.add_ready(&counting, |b| landed.contains(&b)), 0);
+                prop_assert_eq!(inc.add_ready(&counting, |_, b| landed.contains(&b)), 0);
             }
             prop_assert_eq!(computed, total);
             prop_assert_eq!(inc.remaining(), 0);
@@ -101,9 +101,9 @@ fn a_refused_part_fails_its_group_and_no_value_is_reported() {
     };
     let ids = request.groups[0].block_ids.clone();
     let mut inc = IncrementalChecksum::new(setup, Role::Consumer, &request);
-    assert_eq!(inc.add_ready(&counting, |b| b == ids[0]), 1);
+    assert_eq!(inc.add_ready(&counting, |_, b| b == ids[0]), 1);
     // The second part is refused: the group fails, later parts compute nothing.
-    assert_eq!(inc.add_ready(&counting, |b| b == ids[1]), 0);
+    assert_eq!(inc.add_ready(&counting, |_, b| b == ids[1]), 0);
     assert_eq!(inc.remaining(), 0);
     let record = inc.finish(&counting);
     match &record.groups[0].outcome {
@@ -121,7 +121,7 @@ fn positions_not_reported_ready_are_computed_at_finish_from_the_memory_then() {
         let (_, setup, mem) = &c.workers[0];
         let views = mem.views();
         let mut inc = IncrementalChecksum::new(setup, Role::Consumer, &request);
-        inc.add_ready(&CpuBackend::new(&views), |b| b == ids[0]);
+        inc.add_ready(&CpuBackend::new(&views), |_, b| b == ids[0]);
         inc
     };
     // Token 40 (position 2) changes after position 0 was computed: finish sees the change,

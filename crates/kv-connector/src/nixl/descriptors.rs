@@ -153,12 +153,9 @@ impl BlockPairs {
         self.0.iter().map(|g| g.local.len()).sum()
     }
 
-    /// Every local block id of every group.
-    pub fn local_ids(&self) -> Vec<usize> {
-        self.0
-            .iter()
-            .flat_map(|g| g.local.iter().copied())
-            .collect()
+    /// The local block ids, a list per group (or the one list all groups share).
+    pub fn local_lists(&self) -> Vec<Vec<usize>> {
+        self.0.iter().map(|g| g.local.clone()).collect()
     }
 
     /// Cuts the pairs into at most `parts` transfers, each taking a consecutive share of every

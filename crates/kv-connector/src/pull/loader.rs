@@ -100,9 +100,10 @@ impl LoadJob {
 /// How a job ended.
 #[derive(Debug)]
 pub(crate) enum LoadOutcome {
-    /// Part of a split READ completed: these local blocks hold their final bytes. Not an end:
-    /// the job still ends with one of the outcomes below.
-    Landed(Vec<usize>),
+    /// Part of a split READ completed: these local blocks (a list per KV cache group, or one
+    /// all groups share) hold their final bytes. Not an end: the job still ends with one of the
+    /// outcomes below.
+    Landed(Vec<Vec<usize>>),
     Loaded(TransferStats),
     Failed(String),
     /// The job's cancel flag was seen; nothing writes into its blocks any more.
@@ -224,7 +225,7 @@ struct InFlight {
     peer_name: String,
     /// The job's transfers in flight, each with the local blocks it lands (reported as they
     /// land when the READ is split).
-    parts: VecDeque<(TransferHandle, Vec<usize>)>,
+    parts: VecDeque<(TransferHandle, Vec<Vec<usize>>)>,
     /// A split READ's chunks not posted yet.
     waiting: VecDeque<BlockPairs>,
     /// A split READ's done notification, sent once its last chunk completed.
@@ -811,7 +812,7 @@ impl LoaderThread {
         done: Vec<u8>,
     ) -> Result<
         (
-            VecDeque<(TransferHandle, Vec<usize>)>,
+            VecDeque<(TransferHandle, Vec<Vec<usize>>)>,
             VecDeque<BlockPairs>,
             Option<Vec<u8>>,
         ),
@@ -837,7 +838,7 @@ impl LoaderThread {
                 break;
             };
             let h = self.agent.read_group_blocks(name, &chunk, None)?;
-            posted.push_back((h, chunk.local_ids()));
+            posted.push_back((h, chunk.local_lists()));
         }
         tracing::debug!(
             request = job.request_id,
@@ -862,7 +863,7 @@ impl LoaderThread {
                 LoadKind::Write { deadline, .. } => ("WRITE to consumer", *deadline),
                 _ => ("READ from producer", f.posted + self.config.load_timeout),
             };
-            let mut landed: Vec<Vec<usize>> = Vec::new();
+            let mut landed: Vec<Vec<Vec<usize>>> = Vec::new();
             let next = if f.job.cancelled() {
                 Next::Cancelled
             } else {
@@ -953,7 +954,7 @@ impl LoaderThread {
 fn poll_parts(
     agent: &NixlAgent,
     f: &mut InFlight,
-    landed: &mut Vec<Vec<usize>>,
+    landed: &mut Vec<Vec<Vec<usize>>>,
 ) -> Result<bool, KvConnectorError> {
     // Only the parts in flight at the call: a chunk posted here is polled next time, so a
     // READ whose chunks complete at once (host memory) still lands chunk by chunk.
@@ -971,7 +972,7 @@ fn poll_parts(
                 }
                 if let Some(chunk) = f.waiting.pop_front() {
                     let h = agent.read_group_blocks(&f.peer_name, &chunk, None)?;
-                    f.parts.push_back((h, chunk.local_ids()));
+                    f.parts.push_back((h, chunk.local_lists()));
                 }
             }
         }

@@ -29,7 +29,9 @@ use super::loader::{LoadJob, LoadOutcome, Loader, LoaderConfig};
 use super::protocol::{LoadKind, LoadSpec, PullMetadata, PullNotif};
 use super::HandshakeProvider;
 use crate::auth::TransferAuth;
-use crate::base::{ConnectorMetadata, ConnectorOutput, KvConnectorWorker, RankKvCaches, Waker};
+use crate::base::{
+    merge_landed, ConnectorMetadata, ConnectorOutput, KvConnectorWorker, RankKvCaches, Waker,
+};
 use crate::config::KvRole;
 use crate::error::KvConnectorError;
 use crate::nixl::{NixlAgent, NixlAgentConfig};
@@ -245,11 +247,14 @@ impl NixlPullWorker {
         };
         for r in loader.drain() {
             let id = r.request_id;
-            if let LoadOutcome::Landed(blocks) = r.outcome {
+            if let LoadOutcome::Landed(lists) = r.outcome {
                 // Part of a READ in flight; a cancelled one's blocks are nobody's concern.
                 if !self.cancelled.contains(&id) {
-                    let ids = blocks.into_iter().map(|b| b as BlockId);
-                    out.landed_recving.entry(id).or_default().extend(ids);
+                    let lists = lists
+                        .into_iter()
+                        .map(|l| l.into_iter().map(|b| b as BlockId).collect())
+                        .collect();
+                    merge_landed(out.landed_recving.entry(id).or_default(), lists);
                 }
                 continue;
             }

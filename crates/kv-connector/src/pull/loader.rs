@@ -19,11 +19,11 @@
 //! Invariants:
 //! - The consumer reads only from peers whose handshake it fetched and accepted itself, and
 //!   only blocks whose lease the producer granted it by a claim.
-//! - Every READ job yields exactly one `Loaded`, `Failed` or `Cancelled` result,
-//!   whatever happens (a split READ's `Landed` reports come before it and are not results: a
-//!   landed block holds its final bytes, and nothing of this load writes it again), and a READ's handle is dropped (the transfer cancelled) before its failure
-//!   or cancellation is reported, so nothing writes into the blocks once the scheduler may reuse
-//!   them. A release job (or a READ cancelled before it started, which becomes one) also yields
+//! - Every READ job yields exactly one `Loaded`, `Failed` or `Cancelled` result, whatever
+//!   happens (a split READ's `Landed` reports come before it and are not results: a landed block
+//!   holds its final bytes, and nothing of this load writes it again), and a READ's transfers
+//!   are dropped (cancelled) before its failure or cancellation is reported, so nothing writes
+//!   into the blocks once the scheduler may reuse them. A release job (or a READ cancelled before it started, which becomes one) also yields
 //!   `Released` once the producer was told, or could not be.
 //! - After a READ that failed in flight, timed out or was cancelled, the producer is told `done`
 //!   (best effort) so it frees before its lease expires (not after a READ refused before its

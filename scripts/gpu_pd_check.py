@@ -261,7 +261,7 @@ def transfer_bench(a, logs, common):
                     rows.append((wall, delta))
             d.stop_one(name)
             nbytes = rows[0][1]["tandem:kv_transfer_bytes_total"]
-            if copy is None:
+            if copy is None and a.device == "cuda":
                 copy = device_copy_gbps(int(nbytes))
             col = lambda key: med([r[1][key] for r in rows])
             secs = col("tandem:kv_transfer_seconds_sum")
@@ -312,6 +312,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bin", required=True)
     ap.add_argument("--modes", default="pull,push")
+    ap.add_argument("--device", default="cuda",
+                    help="where every instance runs (cpu: the same checks and benchmarks on the "
+                         "host, e.g. the transfer bench's chunked loads)")
     ap.add_argument("--model-args", default="--model smollm2-135m",
                     help="how every instance loads the model")
     ap.add_argument("--served", default="smollm2-135m")
@@ -330,7 +333,7 @@ def main():
     a = ap.parse_args()
     logs = tempfile.mkdtemp(prefix="tandem-gpu-pd.")
     print(f"logs in {logs}")
-    common = ["serve", "--device", "cuda", "--host", "127.0.0.1",
+    common = ["serve", "--device", a.device, "--host", "127.0.0.1",
               "--kv-cache-memory", a.kv_cache_memory] + a.model_args.split()
     os.environ.setdefault("TANDEM_KV_TRANSFER_SECRET", "gpu-pd-check-secret")
     if a.serving_bench:

@@ -367,6 +367,11 @@ fn round_trip(mut p: Node, mut c: Node) {
     assert_eq!(p.seen.stats.expired_leases, 0);
     assert_eq!(c.seen.stats.bytes, 3 * BLOCK_MOVE_BYTES);
     assert_eq!(c.seen.stats.transfers.len(), 1);
+    let t = &c.seen.stats.transfers[0];
+    assert!(
+        t.post_seconds <= t.seconds,
+        "a load's time covers its post: {t:?}"
+    );
     assert_eq!(c.seen.stats.failures, 0);
     // 3 scattered blocks in 8 arrays.
     assert_eq!(c.seen.stats.descriptors, 3 * 8);
@@ -443,6 +448,11 @@ fn a_read_larger_than_read_chunk_bytes_lands_chunk_by_chunk_then_frees_once() {
     assert_blocks_equal(&p.storage, &c.storage, &all);
     assert_eq!(c.seen.stats.bytes, 10 * BLOCK_MOVE_BYTES);
     assert_eq!(c.seen.stats.transfers.len(), 1, "one load, one record");
+    let t = &c.seen.stats.transfers[0];
+    assert!(
+        t.post_seconds <= t.seconds && t.seconds > 0.0,
+        "a load's time covers its posts: {t:?}"
+    );
     // Unsplit, the ten consecutive blocks are one run per array (8 descriptors); ten chunks
     // are ten runs per array.
     assert_eq!(c.seen.stats.descriptors, 10 * 8);

@@ -232,6 +232,7 @@ struct InFlight {
     done_notif: Option<Vec<u8>>,
     /// What the completed parts moved.
     moved: Option<TransferStats>,
+    /// When the job's first transfer was created: its duration and deadline start here.
     posted: Instant,
     last_renew: Instant,
     polls: u32,
@@ -753,6 +754,8 @@ impl LoaderThread {
                 }
             }
         }
+        // The job's transfer time runs from here: a transfer may complete inside its post.
+        let started = Instant::now();
         let posted = if let LoadKind::Write { notif, .. } = &job.kind {
             self.agent
                 .write_group_blocks(&name, &job.ids, Some(notif.clone()))
@@ -769,7 +772,6 @@ impl LoaderThread {
         };
         match posted {
             Ok((parts, waiting, done_notif)) => {
-                let now = Instant::now();
                 self.in_flight.push(InFlight {
                     job,
                     peer_name: name,
@@ -777,8 +779,8 @@ impl LoaderThread {
                     waiting,
                     done_notif,
                     moved: None,
-                    posted: now,
-                    last_renew: now,
+                    posted: started,
+                    last_renew: Instant::now(),
                     polls: 0,
                 });
             }

@@ -29,7 +29,7 @@
 //! | `kv_lease_duration` | seconds a producer holds a finished request's blocks for its consumer (renewed by the consumer) | 30 |
 //! | `load_timeout` | seconds a consumer's READ may take, from its post (push: how long a consumer waits for the producer's WRITE after registering its blocks) | 30 |
 //! | `handshake_timeout` | seconds to fetch a producer's handshake | 5 |
-//! | `read_chunk_bytes` | pull mode only: a consumer splits a READ larger than this into chunks of about this many bytes (at most 32), posted two at a time, and checksums each chunk's blocks while the next moves; `0`: one READ per load | 134217728 (128 MiB) |
+//! | `read_chunk_bytes` | pull mode only: a consumer splits a READ larger than this into chunks of about this many bytes (at most 32), posted two at a time, and checksums each chunk's blocks while the next moves; `0`: one READ per load | 8 MiB into host memory, 128 MiB into device memory |
 //! | `nixl_lib_dir` | directory of `libnixl_capi.so` (see `nixl::library`) | discovery |
 //! | `progress_thread` | run NIXL's progress thread | on for the passive side (pull: `kv_producer`/`kv_both`; push: `kv_consumer`/`kv_both`), off for the side that only initiates |
 //! | `transport_fault_injection` | testing only: a fault where the bytes move (`corrupt_source`, `wrong_block`, `slow_read`; see `pull::fault`) | none |
@@ -98,9 +98,12 @@ pub const DEFAULT_SIDE_CHANNEL_HOST: &str = "127.0.0.1";
 pub const DEFAULT_KV_LEASE_DURATION: Duration = Duration::from_secs(30);
 pub const DEFAULT_LOAD_TIMEOUT: Duration = Duration::from_secs(30);
 pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
-/// Default `read_chunk_bytes`: an 8B model's 8000-token prompt (1 GiB of bf16 KV) moves in 8
-/// chunks.
-pub const DEFAULT_READ_CHUNK_BYTES: u64 = 128 << 20;
+/// Default `read_chunk_bytes` into device memory: an 8B model's 8000-token prompt (1 GiB of bf16
+/// KV) moves in 8 chunks (each chunk costs a few descriptors' fixed time).
+pub const DEFAULT_DEVICE_READ_CHUNK_BYTES: u64 = 128 << 20;
+/// Default `read_chunk_bytes` into host memory: the CPU's checksum is slow enough next to the
+/// copy that smaller chunks pay (BENCHMARKS.md, "Chunked loads").
+pub const DEFAULT_HOST_READ_CHUNK_BYTES: u64 = 8 << 20;
 /// Longest duration any of the duration keys accepts.
 pub const MAX_DURATION: Duration = Duration::from_secs(24 * 3600);
 /// Longest `engine_id`; it travels in every `kv_transfer_params`.
@@ -213,8 +216,10 @@ pub struct NixlExtraConfig {
     pub kv_lease_duration: Duration,
     pub load_timeout: Duration,
     pub handshake_timeout: Duration,
-    /// READs larger than this are split into chunks of about this size; 0: never split.
-    pub read_chunk_bytes: u64,
+    /// READs larger than this are split into chunks of about this size; 0: never split; `None`:
+    /// the default of the consumer's memory ([`DEFAULT_HOST_READ_CHUNK_BYTES`],
+    /// [`DEFAULT_DEVICE_READ_CHUNK_BYTES`]).
+    pub read_chunk_bytes: Option<u64>,
     pub nixl_lib_dir: Option<PathBuf>,
     /// `None` in the JSON means: the role's default ([`KvTransferConfig::progress_thread`]).
     pub progress_thread: Option<bool>,
@@ -251,7 +256,7 @@ impl NixlExtraConfig {
             kv_lease_duration: DEFAULT_KV_LEASE_DURATION,
             load_timeout: DEFAULT_LOAD_TIMEOUT,
             handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
-            read_chunk_bytes: DEFAULT_READ_CHUNK_BYTES,
+            read_chunk_bytes: None,
             nixl_lib_dir: None,
             progress_thread: None,
             allowed_producers: None,
@@ -509,8 +514,8 @@ impl KvTransferConfig {
             "handshake_timeout": x.handshake_timeout.as_secs_f64(),
             "progress_thread": self.progress_thread(),
         });
-        if self.kv_mode() == KvMode::Pull {
-            extra["read_chunk_bytes"] = Value::from(x.read_chunk_bytes);
+        if let Some(bytes) = x.read_chunk_bytes {
+            extra["read_chunk_bytes"] = Value::from(bytes);
         }
         if let Some(dir) = &x.nixl_lib_dir {
             extra["nixl_lib_dir"] = Value::String(dir.display().to_string());
@@ -642,11 +647,11 @@ fn parse_extra(
     match extra.get("read_chunk_bytes") {
         None | Some(Value::Null) => {}
         Some(v) => {
-            cfg.read_chunk_bytes = v.as_u64().ok_or_else(|| {
+            cfg.read_chunk_bytes = Some(v.as_u64().ok_or_else(|| {
                 invalid(format!(
                     "read_chunk_bytes must be a whole number of bytes (0: never split), got {v}"
                 ))
-            })?
+            })?)
         }
     }
     if let Some(dir) = get_str(extra, "nixl_lib_dir")? {
@@ -747,7 +752,7 @@ mod tests {
         assert_eq!(x.kv_lease_duration, Duration::from_secs(30));
         assert_eq!(x.load_timeout, Duration::from_secs(30));
         assert_eq!(x.handshake_timeout, Duration::from_secs(5));
-        assert_eq!(x.read_chunk_bytes, 128 << 20);
+        assert_eq!(x.read_chunk_bytes, None, "the consumer's memory decides");
         assert!(!c.enable_kv_checksum && !c.kv_checksum_fail_closed);
         assert!(c.kv_fault_injection.is_none());
         assert!(c.kv_partial_recompute);
@@ -782,7 +787,7 @@ mod tests {
         assert_eq!(x.kv_lease_duration, Duration::from_millis(2500));
         assert_eq!(x.load_timeout, Duration::from_secs(7));
         assert_eq!(x.handshake_timeout, Duration::from_secs(1));
-        assert_eq!(x.read_chunk_bytes, 0);
+        assert_eq!(x.read_chunk_bytes, Some(0));
         for bad in ["-1", "1.5", "\"64MiB\"", "true"] {
             let e = err(&format!(
                 r#"{{"kv_connector":"NixlConnector","kv_role":"kv_consumer",

@@ -465,7 +465,7 @@ fn a_read_larger_than_read_chunk_bytes_lands_chunk_by_chunk_then_frees_once() {
     p.assert_idle();
     c.assert_idle();
 
-    // The default chunk size (128 MiB) leaves this READ whole: one run per array.
+    // The default chunk size (8 MiB into host memory) leaves this READ whole: one run per array.
     let mut c = consumer();
     let p_blocks: Vec<BlockId> = (22..32).collect();
     let params = produce(&mut p, 2, &prompt, &p_blocks);

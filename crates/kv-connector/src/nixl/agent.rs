@@ -818,6 +818,11 @@ impl NixlAgent {
         )
     }
 
+    /// Whether this agent's KV lives in device memory (VRAM).
+    pub fn on_device(&self) -> bool {
+        self.local.mem == MemType::Vram
+    }
+
     /// The peer's tokens per block, once its handshake was accepted.
     pub fn peer_block_size(&self, peer: &str) -> Option<usize> {
         self.peer(peer).ok().map(|p| p.block_size)

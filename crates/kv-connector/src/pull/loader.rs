@@ -43,6 +43,7 @@ use super::fault::{wrong_block, SplitMix, TransportFault, TransportFaultKind};
 use super::protocol::{LoadKind, PeerAddr, PullNotif};
 use crate::auth::TransferAuth;
 use crate::base::Waker;
+use crate::config::{DEFAULT_DEVICE_READ_CHUNK_BYTES, DEFAULT_HOST_READ_CHUNK_BYTES};
 use crate::error::KvConnectorError;
 use crate::nixl::{BlockPairs, Side};
 use crate::nixl::{NixlAgent, NixlHandshake, TransferHandle, TransferStats, TransferStatus};
@@ -66,8 +67,9 @@ pub struct LoaderConfig {
     pub handshake_timeout: Duration,
     /// Renew notifications go out every half of this while a READ is in flight.
     pub kv_lease_duration: Duration,
-    /// READs of more bytes are split into chunks of about this size (0: never split).
-    pub read_chunk_bytes: u64,
+    /// READs of more bytes are split into chunks of about this size (0: never split; `None`:
+    /// the default of the local memory's kind).
+    pub read_chunk_bytes: Option<u64>,
     /// Call NIXL from the thread while idle too (every 10 ms), draining notifications:
     /// for an agent without progress thread that nobody else drains (a pure consumer), so that
     /// UCX answers its peers' connection traffic between loads.
@@ -820,7 +822,14 @@ impl LoaderThread {
         ),
         KvConnectorError,
     > {
-        let chunk = self.config.read_chunk_bytes;
+        let chunk = self
+            .config
+            .read_chunk_bytes
+            .unwrap_or(if self.agent.on_device() {
+                DEFAULT_DEVICE_READ_CHUNK_BYTES
+            } else {
+                DEFAULT_HOST_READ_CHUNK_BYTES
+            });
         let per_pair = self.agent.whole_block_pair_bytes(name);
         let pairs = job.ids.groups().iter().map(|g| g.local.len()).max();
         let parts = match (chunk, per_pair, pairs) {

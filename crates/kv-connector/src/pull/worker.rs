@@ -48,8 +48,9 @@ pub struct PullWorkerConfig {
     pub kv_lease_duration: Duration,
     pub load_timeout: Duration,
     pub handshake_timeout: Duration,
-    /// A consumer splits READs larger than this into chunks (`read_chunk_bytes`; 0: never).
-    pub read_chunk_bytes: u64,
+    /// A consumer splits READs larger than this into chunks (`read_chunk_bytes`; 0: never;
+    /// `None`: the default of its memory's kind).
+    pub read_chunk_bytes: Option<u64>,
     /// The deployment secret: a consumer signs its handshake requests with it.
     pub auth: Option<TransferAuth>,
     /// Testing only: a fault where the bytes move (`pull::fault`).

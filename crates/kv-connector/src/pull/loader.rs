@@ -978,6 +978,9 @@ fn poll_parts(
                 let (handle, blocks) = f.parts.remove(k).expect("k < len");
                 drop(handle);
                 f.add_moved(stats);
+                // The next chunk is polled as closely as a fresh READ (the thread spins for a
+                // job's first polls, then sleeps between them).
+                f.polls = 0;
                 if f.split() {
                     landed.push(blocks);
                 }

@@ -407,6 +407,9 @@ impl RankKvCaches {
 /// from any thread, any number of times.
 pub type Waker = Arc<dyn Fn() + Send + Sync>;
 
+/// Where a connector keeps the engine's waker for its threads: set once, whenever it comes.
+pub type WakerSlot = Arc<std::sync::OnceLock<Waker>>;
+
 /// The worker side of a connector.
 pub trait KvConnectorWorker: Send {
     /// Called once with the worker's KV storage before the first step.

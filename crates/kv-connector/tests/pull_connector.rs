@@ -319,6 +319,25 @@ fn finish_consumer(c: &mut Node, id: u64, prompt: &[u32], params: &Value, table:
     assert!(!a.delay_free && a.kv_transfer_params.is_none());
 }
 
+/// The consumer finishes request `id` of a completed round trip; a few steps later both sides
+/// are idle.
+fn finish_and_settle(
+    p: &mut Node,
+    c: &mut Node,
+    id: u64,
+    prompt: &[u32],
+    params: &Value,
+    table: &[BlockId],
+) {
+    finish_consumer(c, id, prompt, params, table);
+    for _ in 0..3 {
+        p.step();
+        c.step();
+    }
+    p.assert_idle();
+    c.assert_idle();
+}
+
 fn pairs(remote: &[BlockId], local: &[BlockId]) -> Vec<(usize, usize)> {
     remote
         .iter()
@@ -377,13 +396,7 @@ fn round_trip(mut p: Node, mut c: Node) {
     assert_eq!(c.seen.stats.descriptors, 3 * 8);
     assert!(c.seen.finished_sending.is_empty() && p.seen.finished_recving.is_empty());
 
-    finish_consumer(&mut c, 7, &prompt, &params, &c_blocks);
-    for _ in 0..3 {
-        p.step();
-        c.step();
-    }
-    p.assert_idle();
-    c.assert_idle();
+    finish_and_settle(&mut p, &mut c, 7, &prompt, &params, &c_blocks);
 }
 
 #[test]
@@ -457,13 +470,7 @@ fn a_read_larger_than_read_chunk_bytes_lands_chunk_by_chunk_then_frees_once() {
     // are ten runs per array.
     assert_eq!(c.seen.stats.descriptors, 10 * 8);
     assert_eq!(p.seen.stats.expired_leases, 0);
-    finish_consumer(&mut c, 7, &prompt, &params, &c_blocks);
-    for _ in 0..3 {
-        p.step();
-        c.step();
-    }
-    p.assert_idle();
-    c.assert_idle();
+    finish_and_settle(&mut p, &mut c, 7, &prompt, &params, &c_blocks);
 
     // The default chunk size (8 MiB into host memory) leaves this READ whole: one run per array.
     let mut c = consumer();

@@ -199,7 +199,7 @@ impl ChecksumWorker {
                 continue; // a failed load is not compared
             }
             let finishing = Instant::now();
-            if let Some(f) = self.fault_of(&job) {
+            if let Some(f) = fault_on(&job, self.setup.worker().tp_rank) {
                 // SAFETY: the connector reported the load finished, and the request runs again
                 // only after the scheduler's verdict: nothing else touches its blocks now.
                 if let Some(what) = unsafe { fault::inject(&self.storage, &job.blocks, f) } {
@@ -234,12 +234,6 @@ impl ChecksumWorker {
         out
     }
 
-    /// The injected fault for `job`'s load on this worker, if any.
-    fn fault_of(&self, job: &ChecksumJob) -> Option<super::config::BlockFault> {
-        let rank = self.setup.worker().tp_rank;
-        job.fault.filter(|f| f.tp_rank.is_none_or(|r| r == rank))
-    }
-
     /// Checksums the blocks the connector reported landed for announced loads still in flight
     /// (no injected fault). Returns how many block positions it computed.
     fn checksum_landed(&mut self, connector: &ConnectorOutput) -> usize {
@@ -247,13 +241,6 @@ impl ChecksumWorker {
         for (id, lists) in &connector.landed_recving {
             // A load that ended in this output is finished whole below (and measured there).
             if connector.finished_recving.contains(id) {
-                continue;
-            }
-            let fault = match self.loads.get(id) {
-                Some(load) => self.fault_of(&load.job).is_some(),
-                None => continue,
-            };
-            if fault {
                 continue;
             }
             // Per group, or one list every group shares.
@@ -273,6 +260,9 @@ impl ChecksumWorker {
             let Some(load) = self.loads.get_mut(id) else {
                 continue;
             };
+            if fault_on(&load.job, setup.worker().tp_rank).is_some() {
+                continue;
+            }
             let partial = load.landed.get_or_insert_with(|| {
                 IncrementalChecksum::new(setup, Role::Consumer, &load.job.blocks)
             });
@@ -293,6 +283,11 @@ impl ChecksumWorker {
         }
         out
     }
+}
+
+/// The fault injected into `job`'s load on TP rank `tp_rank`, if any.
+fn fault_on(job: &ChecksumJob, tp_rank: u32) -> Option<super::config::BlockFault> {
+    job.fault.filter(|f| f.tp_rank.is_none_or(|r| r == tp_rank))
 }
 
 /// A load announced by the scheduler and not reported finished yet.

@@ -23,8 +23,9 @@
 //!   happens (a split READ's `Landed` reports come before it and are not results: a landed block
 //!   holds its final bytes, and nothing of this load writes it again), and a READ's transfers
 //!   are dropped (cancelled) before its failure or cancellation is reported, so nothing writes
-//!   into the blocks once the scheduler may reuse them. A release job (or a READ cancelled before it started, which becomes one) also yields
-//!   `Released` once the producer was told, or could not be.
+//!   into the blocks once the scheduler may reuse them. A release job (or a READ cancelled
+//!   before it started, which becomes one) also yields `Released` once the producer was told,
+//!   or could not be.
 //! - After a READ that failed in flight, timed out or was cancelled, the producer is told `done`
 //!   (best effort) so it frees before its lease expires (not after a READ refused before its
 //!   post: block ids the producer does not have mean params that are not its own); a peer whose transfer failed is forgotten, and the next load
@@ -36,13 +37,13 @@ use std::collections::{HashMap, VecDeque};
 use std::io::Read;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::fault::{wrong_block, SplitMix, TransportFault, TransportFaultKind};
 use super::protocol::{LoadKind, PeerAddr, PullNotif};
 use crate::auth::TransferAuth;
-use crate::base::Waker;
+use crate::base::WakerSlot;
 use crate::config::{DEFAULT_DEVICE_READ_CHUNK_BYTES, DEFAULT_HOST_READ_CHUNK_BYTES};
 use crate::error::KvConnectorError;
 use crate::nixl::{BlockPairs, Side};
@@ -152,22 +153,23 @@ enum Msg {
 pub(crate) struct Loader {
     tx: Sender<Msg>,
     results: Receiver<LoadResult>,
-    waker: Arc<OnceLock<Waker>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Loader {
+    /// Starts the transfer thread; it calls the waker in `waker` (once one is set) after every
+    /// result it reports.
     pub fn spawn(
         agent: Arc<NixlAgent>,
         config: LoaderConfig,
         auth: Option<TransferAuth>,
         fault: Option<TransportFault>,
+        waker: WakerSlot,
     ) -> Result<Self, KvConnectorError> {
         let (tx, rx) = mpsc::channel();
         let (res_tx, results) = mpsc::channel();
-        let waker = Arc::new(OnceLock::new());
         let state = LoaderThread {
-            waker: waker.clone(),
+            waker,
             agent,
             config,
             tx: tx.clone(),
@@ -192,14 +194,8 @@ impl Loader {
         Ok(Loader {
             tx,
             results,
-            waker,
             thread: Some(thread),
         })
-    }
-
-    /// Called by the thread after each result it reports (the first waker set stays).
-    pub fn set_waker(&self, waker: Waker) {
-        let _ = self.waker.set(waker);
     }
 
     /// Hands a job to the thread; false if the thread is gone.
@@ -225,13 +221,7 @@ impl Drop for Loader {
 struct InFlight {
     job: LoadJob,
     peer_name: String,
-    /// The job's transfers in flight, each with the local blocks it lands (reported as they
-    /// land when the READ is split).
-    parts: VecDeque<(TransferHandle, Vec<Vec<usize>>)>,
-    /// A split READ's chunks not posted yet.
-    waiting: VecDeque<BlockPairs>,
-    /// A split READ's done notification, sent once its last chunk completed.
-    done_notif: Option<Vec<u8>>,
+    transfers: Transfers,
     /// What the completed parts moved.
     moved: Option<TransferStats>,
     /// When the job's first transfer was created: its duration and deadline start here.
@@ -240,11 +230,32 @@ struct InFlight {
     polls: u32,
 }
 
-impl InFlight {
+/// A job's transfers: its one transfer, or a split READ's chunks.
+struct Transfers {
+    /// Posted and not completed, each with the local blocks it lands (reported as they land
+    /// when the READ is split).
+    posted: VecDeque<(TransferHandle, Vec<Vec<usize>>)>,
+    /// A split READ's chunks not posted yet.
+    waiting: VecDeque<BlockPairs>,
+    /// A split READ's done notification, sent once its last chunk completed.
+    done_notif: Option<Vec<u8>>,
+}
+
+impl Transfers {
+    fn one(handle: TransferHandle) -> Self {
+        Transfers {
+            posted: VecDeque::from([(handle, Vec::new())]),
+            waiting: VecDeque::new(),
+            done_notif: None,
+        }
+    }
+
     fn split(&self) -> bool {
         self.done_notif.is_some()
     }
+}
 
+impl InFlight {
     /// Adds a completed part's stats; the duration is the job's, post to now.
     fn add_moved(&mut self, part: TransferStats) {
         let total = self.moved.get_or_insert(TransferStats {
@@ -283,7 +294,7 @@ struct LoaderThread {
     /// `slow_read`: granted jobs and when to post their READ.
     delayed: Vec<(Instant, LoadJob, String)>,
     /// Told after every result (the engine wakes instead of waiting for its next poll).
-    waker: Arc<OnceLock<Waker>>,
+    waker: WakerSlot,
 }
 
 impl LoaderThread {
@@ -352,7 +363,7 @@ impl LoaderThread {
 
     fn shutdown(&mut self) {
         for f in std::mem::take(&mut self.in_flight) {
-            drop(f.parts);
+            drop(f.transfers);
             self.report(
                 f.job.request_id,
                 LoadOutcome::Failed("the connector shut down".into()),
@@ -761,7 +772,7 @@ impl LoaderThread {
         let posted = if let LoadKind::Write { notif, .. } = &job.kind {
             self.agent
                 .write_group_blocks(&name, &job.ids, Some(notif.clone()))
-                .map(|h| (VecDeque::from([(h, Vec::new())]), VecDeque::new(), None))
+                .map(Transfers::one)
         } else {
             let renew = PullNotif::Renew(&job.remote_request_id).encode();
             if let Err(e) = self.agent.send_notif(&name, &renew) {
@@ -773,13 +784,11 @@ impl LoaderThread {
             self.post_read(&job, &name, done)
         };
         match posted {
-            Ok((parts, waiting, done_notif)) => {
+            Ok(transfers) => {
                 self.in_flight.push(InFlight {
                     job,
                     peer_name: name,
-                    parts,
-                    waiting,
-                    done_notif,
+                    transfers,
                     moved: None,
                     posted: started,
                     last_renew: Instant::now(),
@@ -808,20 +817,12 @@ impl LoaderThread {
     /// Posts a job's READ: one transfer with `done` attached, or, when it is larger than
     /// `read_chunk_bytes` and moves whole local blocks, its first chunks (the rest wait, and
     /// `done` is returned to be sent after the last). On an error nothing stays in flight.
-    #[allow(clippy::type_complexity)]
     fn post_read(
         &self,
         job: &LoadJob,
         name: &str,
         done: Vec<u8>,
-    ) -> Result<
-        (
-            VecDeque<(TransferHandle, Vec<Vec<usize>>)>,
-            VecDeque<BlockPairs>,
-            Option<Vec<u8>>,
-        ),
-        KvConnectorError,
-    > {
+    ) -> Result<Transfers, KvConnectorError> {
         let chunk = self
             .config
             .read_chunk_bytes
@@ -840,7 +841,7 @@ impl LoaderThread {
         };
         if parts < 2 {
             let h = self.agent.read_group_blocks(name, &job.ids, Some(done))?;
-            return Ok((VecDeque::from([(h, Vec::new())]), VecDeque::new(), None));
+            return Ok(Transfers::one(h));
         }
         let mut waiting: VecDeque<BlockPairs> = job.ids.split(parts as usize, Side::Local)?.into();
         let mut posted = VecDeque::new();
@@ -856,7 +857,11 @@ impl LoaderThread {
             chunks = posted.len() + waiting.len(),
             "KV READ split into chunks"
         );
-        Ok((posted, waiting, Some(done)))
+        Ok(Transfers {
+            posted,
+            waiting,
+            done_notif: Some(done),
+        })
     }
 
     fn poll_in_flight(&mut self) {
@@ -881,7 +886,7 @@ impl LoaderThread {
                 match poll_parts(&self.agent, f, &mut landed) {
                     Err(e) => Next::Failed(format!("{what} {} failed: {e}", f.job.peer), true),
                     Ok(true) => {
-                        if let Some(done) = f.done_notif.take() {
+                        if let Some(done) = f.transfers.done_notif.take() {
                             // A split READ: every chunk is in; the producer may free.
                             if let Err(e) = self.agent.send_notif(&f.peer_name, &done) {
                                 tracing::debug!(producer = %f.job.peer, error = %e,
@@ -913,14 +918,12 @@ impl LoaderThread {
                     }
                 }
             };
-            let request_id = self.in_flight[i].job.request_id;
             // A job that ended reports its end only (a finished load is checksummed whole).
             if matches!(next, Next::Keep) {
+                let request_id = self.in_flight[i].job.request_id;
                 for blocks in landed {
                     self.report(request_id, LoadOutcome::Landed(blocks));
                 }
-            }
-            if matches!(next, Next::Keep) {
                 i += 1;
                 continue;
             }
@@ -929,10 +932,10 @@ impl LoaderThread {
             let InFlight {
                 job,
                 peer_name,
-                parts,
+                transfers,
                 ..
             } = f;
-            drop(parts);
+            drop(transfers);
             match next {
                 Next::Keep => unreachable!(),
                 Next::Done(stats) => {
@@ -970,28 +973,28 @@ fn poll_parts(
     // Only the parts in flight at the call: a chunk posted here is polled next time, so a
     // READ whose chunks complete at once (host memory) still lands chunk by chunk.
     let mut k = 0;
-    for _ in 0..f.parts.len() {
-        match f.parts[k].0.poll() {
+    for _ in 0..f.transfers.posted.len() {
+        match f.transfers.posted[k].0.poll() {
             TransferStatus::Pending => k += 1,
             TransferStatus::Failed(e) => return Err(e),
             TransferStatus::Done(stats) => {
-                let (handle, blocks) = f.parts.remove(k).expect("k < len");
+                let (handle, blocks) = f.transfers.posted.remove(k).expect("k < len");
                 drop(handle);
+                if f.transfers.split() {
+                    landed.push(blocks);
+                }
+                if let Some(chunk) = f.transfers.waiting.pop_front() {
+                    let h = agent.read_group_blocks(&f.peer_name, &chunk, None)?;
+                    f.transfers.posted.push_back((h, chunk.local_lists()));
+                }
                 f.add_moved(stats);
                 // The next chunk is polled as closely as a fresh READ (the thread spins for a
                 // job's first polls, then sleeps between them).
                 f.polls = 0;
-                if f.split() {
-                    landed.push(blocks);
-                }
-                if let Some(chunk) = f.waiting.pop_front() {
-                    let h = agent.read_group_blocks(&f.peer_name, &chunk, None)?;
-                    f.parts.push_back((h, chunk.local_lists()));
-                }
             }
         }
     }
-    Ok(f.parts.is_empty() && f.waiting.is_empty())
+    Ok(f.transfers.posted.is_empty() && f.transfers.waiting.is_empty())
 }
 
 /// `POST url` with a JSON body (`what`: a claim, or a push registration signed with

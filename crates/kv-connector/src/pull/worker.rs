@@ -31,6 +31,7 @@ use super::HandshakeProvider;
 use crate::auth::TransferAuth;
 use crate::base::{
     merge_landed, ConnectorMetadata, ConnectorOutput, KvConnectorWorker, RankKvCaches, Waker,
+    WakerSlot,
 };
 use crate::config::KvRole;
 use crate::error::KvConnectorError;
@@ -61,13 +62,14 @@ impl PullWorkerConfig {
     /// Creates the worker's agent over every worker's storage and publishes its handshake; with
     /// `loader_fault` (the transfer thread's fault, if any) also spawns the transfer thread,
     /// which drains notifications while idle when the agent has no progress thread and
-    /// `drain_when_idle` (nobody else drains them).
+    /// `drain_when_idle` (nobody else drains them); the thread wakes the engine through `waker`.
     pub(crate) fn start(
         &self,
         ranks: Vec<RankKvCaches>,
         handshake: &HandshakeProvider,
         loader_fault: Option<Option<TransportFault>>,
         drain_when_idle: bool,
+        waker: &WakerSlot,
     ) -> Result<(Arc<NixlAgent>, Option<Loader>), KvConnectorError> {
         let agent = Arc::new(NixlAgent::for_ranks(self.agent.clone(), ranks)?);
         handshake.publish(agent.handshake()?.to_json());
@@ -84,6 +86,7 @@ impl PullWorkerConfig {
                 },
                 self.auth.clone(),
                 fault,
+                waker.clone(),
             )?),
         };
         Ok((agent, loader))
@@ -102,8 +105,8 @@ pub struct NixlPullWorker {
     handshake: HandshakeProvider,
     // Drop order: the transfer thread stops before the agent goes.
     loader: Option<Loader>,
-    /// The engine's waker, handed to the transfer thread.
-    waker: Option<Waker>,
+    /// The engine's waker, shared with the transfer thread.
+    waker: WakerSlot,
     agent: Option<Arc<NixlAgent>>,
     /// Producer: remote request id → lease.
     leases: HashMap<String, Lease>,
@@ -142,7 +145,7 @@ impl NixlPullWorker {
             config,
             handshake,
             loader: None,
-            waker: None,
+            waker: WakerSlot::default(),
             agent: None,
             leases: HashMap::new(),
             early_done: HashMap::new(),
@@ -442,10 +445,8 @@ impl KvConnectorWorker for NixlPullWorker {
                     .filter(|f| f.kind != TransportFaultKind::CorruptSource),
             ),
             !self.config.role.is_producer(),
+            &self.waker,
         )?;
-        if let (Some(l), Some(w)) = (&loader, &self.waker) {
-            l.set_waker(w.clone());
-        }
         self.loader = loader;
         self.agent = Some(agent);
         Ok(())
@@ -479,10 +480,7 @@ impl KvConnectorWorker for NixlPullWorker {
     }
 
     fn set_waker(&mut self, waker: Waker) {
-        if let Some(l) = &self.loader {
-            l.set_waker(waker.clone());
-        }
-        self.waker = Some(waker);
+        let _ = self.waker.set(waker);
     }
 
     fn get_finished(&mut self) -> ConnectorOutput {

@@ -34,7 +34,9 @@ use tandem_kv_cache::KvStorage;
 
 use super::protocol::{PushMetadata, PushNotif, PushSpec, RegisterSpec, Registration};
 use super::registry::PushRegistry;
-use crate::base::{ConnectorMetadata, ConnectorOutput, KvConnectorWorker, RankKvCaches, Waker};
+use crate::base::{
+    ConnectorMetadata, ConnectorOutput, KvConnectorWorker, RankKvCaches, Waker, WakerSlot,
+};
 use crate::error::KvConnectorError;
 use crate::nixl::{BlockPairs, NixlAgent};
 use crate::pull::fault::{SplitMix, TransportFault, TransportFaultKind};
@@ -75,8 +77,8 @@ pub struct NixlPushWorker {
     registry: PushRegistry,
     // Drop order: the transfer thread stops before the agent goes.
     loader: Option<Loader>,
-    /// The engine's waker, handed to the transfer thread.
-    waker: Option<Waker>,
+    /// The engine's waker, shared with the transfer thread.
+    waker: WakerSlot,
     agent: Option<Arc<NixlAgent>>,
     /// Producer: finished requests waiting for their registration, by transfer id.
     waiting: HashMap<String, PushSpec>,
@@ -113,7 +115,7 @@ impl NixlPushWorker {
             handshake,
             registry,
             loader: None,
-            waker: None,
+            waker: WakerSlot::default(),
             agent: None,
             waiting: HashMap::new(),
             writing: HashMap::new(),
@@ -540,10 +542,8 @@ impl KvConnectorWorker for NixlPushWorker {
             &self.handshake,
             Some(fault.filter(|f: &TransportFault| f.kind == TransportFaultKind::WrongBlock)),
             !self.config.role.is_consumer(),
+            &self.waker,
         )?;
-        if let (Some(l), Some(w)) = (&loader, &self.waker) {
-            l.set_waker(w.clone());
-        }
         self.loader = loader;
         self.agent = Some(agent);
         Ok(())
@@ -589,10 +589,7 @@ impl KvConnectorWorker for NixlPushWorker {
     }
 
     fn set_waker(&mut self, waker: Waker) {
-        if let Some(l) = &self.loader {
-            l.set_waker(waker.clone());
-        }
-        self.waker = Some(waker);
+        let _ = self.waker.set(waker);
     }
 
     fn get_finished(&mut self) -> ConnectorOutput {

@@ -222,7 +222,12 @@ def transfer_bench(a, logs, common):
     instance with it: 8000-token prompts through the proxy, the decode instance's transfer and
     checksum metrics per request (median), against a device copy of the same bytes."""
     d = Deployment(a.bin, logs)
-    d.start("bench-prefill", common + [
+    prefill = list(common)
+    if a.prefill_kv_cache_memory:
+        # A larger producer pool: every setting's requests get fresh, consecutive blocks (one
+        # run of blocks per request), so the settings compare on the same producer layout.
+        prefill[prefill.index("--kv-cache-memory") + 1] = a.prefill_kv_cache_memory
+    d.start("bench-prefill", prefill + [
         "--port", "8100", "--kv-transfer-config", transfer_config("pull", "kv_producer")])
     d.start("bench-proxy", ["proxy", "--host", "127.0.0.1", "--port", "8000",
                             "--prefill", "http://127.0.0.1:8100",
@@ -234,10 +239,16 @@ def transfer_bench(a, logs, common):
     copy = None
     try:
         d.wait_healthy(8100)
-        for k, chunk in enumerate(int(c) for c in a.read_chunk_bytes.split(",")):
-            name = f"bench-decode-{chunk}"
+        for k, setting in enumerate(a.read_chunk_bytes.split(",")):
+            # BYTES or BYTES:IN_FLIGHT (read_chunks_in_flight).
+            chunk, _, in_flight = setting.partition(":")
+            chunk = int(chunk)
+            extra = {"read_chunk_bytes": chunk}
+            if in_flight:
+                extra["read_chunks_in_flight"] = int(in_flight)
+            name = f"bench-decode-{k}"
             d.start(name, common + ["--port", "8200", "--kv-transfer-config", transfer_config(
-                "pull", "kv_consumer", {"kv_connector_extra_config": {"read_chunk_bytes": chunk}})])
+                "pull", "kv_consumer", {"kv_connector_extra_config": extra})])
             d.wait_healthy(8200)
             d.wait_healthy(8000)
             rows = []
@@ -256,7 +267,7 @@ def transfer_bench(a, logs, common):
                                    {"verdict": "verified"})
                             - metric(before, "tandem:kv_checksum_loads_total",
                                      {"verdict": "verified"}))
-                check(verified == 1, f"read_chunk_bytes {chunk}, request {i}: its load verified")
+                check(verified == 1, f"read_chunk_bytes {setting}, request {i}: its load verified")
                 if i > 0:  # the first warms up
                     rows.append((wall, delta))
             d.stop_one(name)
@@ -268,7 +279,7 @@ def transfer_bench(a, logs, common):
             total_ck = col("tandem:kv_checksum_compute_seconds_sum")
             wait = col("tandem:kv_checksum_load_wait_seconds_sum")
             ltft = col("tandem:request_prefill_time_seconds_sum")
-            print(f"transfer bench, read_chunk_bytes {chunk}: {a.bench_tokens} tokens, "
+            print(f"transfer bench, read_chunk_bytes {setting}: {a.bench_tokens} tokens, "
                   f"{nbytes / 2**20:.1f} MiB of KV per request, "
                   f"{col('tandem:kv_transfer_descriptors_total'):.0f} descriptors")
             print(f"  NIXL READ (post to last completion) {secs * 1e3:.3f} ms = "
@@ -327,7 +338,11 @@ def main():
                     help="read_chunk_bytes of the pull checks' clean decode instance (e.g. 65536 "
                          "to check chunked loads on a small model)")
     ap.add_argument("--read-chunk-bytes", default="134217728,0",
-                    help="the decode instance's read_chunk_bytes, one run each (0: one READ)")
+                    help="the decode instance's read_chunk_bytes, one run each (0: one READ); "
+                         "BYTES:N also sets read_chunks_in_flight to N")
+    ap.add_argument("--prefill-kv-cache-memory", default=None,
+                    help="the transfer bench's prefill instance's --kv-cache-memory (default: "
+                         "--kv-cache-memory)")
     ap.add_argument("--serving-bench", action="store_true")
     ap.add_argument("--bench-prompt", type=int, default=1000)
     a = ap.parse_args()

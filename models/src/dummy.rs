@@ -10,6 +10,7 @@
 use crate::decoder::{DecoderConfig, WeightSource};
 use crate::error::ModelError;
 use crate::weights::HostMatrix;
+use rayon::prelude::*;
 
 /// The weights of a dummy model of config `cfg`.
 pub(crate) struct DummySource {
@@ -42,9 +43,12 @@ impl DummySource {
     }
 }
 
+/// splitmix64's increment.
+const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
+
 /// splitmix64: a tiny, well-mixed generator (seeded per tensor).
 fn splitmix64(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    *state = state.wrapping_add(GOLDEN);
     let mut z = *state;
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
@@ -85,9 +89,13 @@ impl WeightSource for DummySource {
         if name == "output.weight" || tied_head {
             scale *= 4.0;
         }
-        let mut state = seed(name);
-        let data = (0..rows * cols)
-            .map(|_| {
+        let start = seed(name);
+        // splitmix64's state after i draws is start + i * GOLDEN: each value is computed on its
+        // own, in parallel (an 8B shape's 8 billion values), and equals the sequential stream.
+        let data = (0..(rows * cols) as u64)
+            .into_par_iter()
+            .map(|i| {
+                let mut state = start.wrapping_add(i.wrapping_mul(GOLDEN));
                 // 24 random bits -> [-1, 1)
                 let u = (splitmix64(&mut state) >> 40) as f32 / (1u64 << 23) as f32 - 1.0;
                 u * scale
@@ -107,6 +115,19 @@ mod tests {
             "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2,
             "head_dim": 8, "vocab_size": 300, "tie_word_embeddings": false}))
         .unwrap()
+    }
+
+    #[test]
+    fn values_are_the_sequential_splitmix_stream() {
+        let name = "blk.0.attn_k.weight";
+        let m = DummySource::new(&cfg()).matrix(name, None).unwrap();
+        let got = m.to_f32().unwrap();
+        let scale = (3.0f32 / 64.0).sqrt();
+        let mut state = seed(name);
+        for (i, v) in got.iter().enumerate() {
+            let u = (splitmix64(&mut state) >> 40) as f32 / (1u64 << 23) as f32 - 1.0;
+            assert_eq!(*v, u * scale, "value {i}");
+        }
     }
 
     #[test]

@@ -359,7 +359,11 @@ impl KvCacheManager {
                 group.pool.touch(&live);
                 r.groups[g].num_cached = t.len();
             }
-            let new = group.pool.allocate(need).expect("checked above");
+            // The pool gives the least recently freed blocks; in id order they hold the request's
+            // positions (a request's freed run comes back reversed): consecutive ids move as one
+            // NIXL descriptor (one region per run of blocks).
+            let mut new = group.pool.allocate(need).expect("checked above");
+            new.sort_unstable();
             let mut fresh = new.iter().copied();
             if t.len() < total {
                 t.resize(total, NULL_BLOCK);
@@ -510,6 +514,26 @@ mod tests {
         let p3 = m.find_cached_prefix(&prompt, &[]);
         assert_eq!(p3.num_tokens, 8);
         assert_eq!(m.prefix_cache_stats().hits, 16);
+    }
+
+    #[test]
+    fn a_request_reusing_freed_blocks_gets_them_in_id_order() {
+        let mut m = KvCacheManager::new(16, 4, true);
+        m.allocate(1, 24, 0, None).unwrap();
+        assert_eq!(m.group_table(1, 0), &[0, 1, 2, 3, 4, 5][..]);
+        m.free(1); // last block first: the free list holds 5, 4, 3, 2, 1, 0 after 6..16
+        m.allocate(2, 40, 0, None).unwrap();
+        assert_eq!(
+            m.group_table(2, 0),
+            &[6, 7, 8, 9, 10, 11, 12, 13, 14, 15][..]
+        );
+        m.allocate(3, 16, 0, None).unwrap();
+        assert_eq!(
+            m.group_table(3, 0),
+            &[2, 3, 4, 5][..],
+            "the least recently freed four, consecutive in the table"
+        );
+        m.check_invariants().unwrap();
     }
 
     #[test]

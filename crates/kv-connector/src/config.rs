@@ -29,7 +29,8 @@
 //! | `kv_lease_duration` | seconds a producer holds a finished request's blocks for its consumer (renewed by the consumer) | 30 |
 //! | `load_timeout` | seconds a consumer's READ may take, from its post (push: how long a consumer waits for the producer's WRITE after registering its blocks) | 30 |
 //! | `handshake_timeout` | seconds to fetch a producer's handshake | 5 |
-//! | `read_chunk_bytes` | pull mode only: a consumer splits a READ larger than this into chunks of about this many bytes (at most 32), posted two at a time, and checksums each chunk's blocks while the next moves; `0`: one READ per load | 8 MiB into host memory, 128 MiB into device memory |
+//! | `read_chunk_bytes` | pull mode only: a consumer splits a READ larger than this into chunks of about this many bytes (at most 32), and checksums each chunk's blocks while the next moves; `0`: one READ per load | 8 MiB into host memory, 128 MiB into device memory |
+//! | `read_chunks_in_flight` | pull mode only: how many of a split READ's chunks are posted at once (1 to 32) | 2 |
 //! | `nixl_lib_dir` | directory of `libnixl_capi.so` (see `nixl::library`) | discovery |
 //! | `progress_thread` | run NIXL's progress thread | on for the passive side (pull: `kv_producer`/`kv_both`; push: `kv_consumer`/`kv_both`), off for the side that only initiates |
 //! | `transport_fault_injection` | testing only: a fault where the bytes move (`corrupt_source`, `wrong_block`, `slow_read`; see `pull::fault`) | none |
@@ -104,6 +105,11 @@ pub const DEFAULT_DEVICE_READ_CHUNK_BYTES: u64 = 128 << 20;
 /// Default `read_chunk_bytes` into host memory: the CPU's checksum is slow enough next to the
 /// copy that smaller chunks pay (BENCHMARKS.md, "Chunked loads").
 pub const DEFAULT_HOST_READ_CHUNK_BYTES: u64 = 8 << 20;
+/// Default `read_chunks_in_flight`: one chunk moves while the last one's checksum runs.
+pub const DEFAULT_READ_CHUNKS_IN_FLIGHT: usize = 2;
+/// A READ is split into at most this many chunks (each costs its descriptors' fixed time), and no
+/// more than this many are posted at once.
+pub const MAX_READ_CHUNKS: usize = 32;
 /// Longest duration any of the duration keys accepts.
 pub const MAX_DURATION: Duration = Duration::from_secs(24 * 3600);
 /// Longest `engine_id`; it travels in every `kv_transfer_params`.
@@ -134,9 +140,10 @@ const TOP_KEYS: [&str; 9] = [
     "kv_checksum_fail_closed",
     "kv_fault_injection",
 ];
-const EXTRA_KEYS: [&str; 9] = [
+const EXTRA_KEYS: [&str; 10] = [
     "side_channel_host",
     "read_chunk_bytes",
+    "read_chunks_in_flight",
     "transport_fault_injection",
     "allowed_producers",
     "kv_lease_duration",
@@ -220,6 +227,8 @@ pub struct NixlExtraConfig {
     /// the default of the consumer's memory ([`DEFAULT_HOST_READ_CHUNK_BYTES`],
     /// [`DEFAULT_DEVICE_READ_CHUNK_BYTES`]).
     pub read_chunk_bytes: Option<u64>,
+    /// How many of a split READ's chunks are posted at once (1..=[`MAX_READ_CHUNKS`]).
+    pub read_chunks_in_flight: usize,
     pub nixl_lib_dir: Option<PathBuf>,
     /// `None` in the JSON means: the role's default ([`KvTransferConfig::progress_thread`]).
     pub progress_thread: Option<bool>,
@@ -257,6 +266,7 @@ impl NixlExtraConfig {
             load_timeout: DEFAULT_LOAD_TIMEOUT,
             handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
             read_chunk_bytes: None,
+            read_chunks_in_flight: DEFAULT_READ_CHUNKS_IN_FLIGHT,
             nixl_lib_dir: None,
             progress_thread: None,
             allowed_producers: None,
@@ -434,9 +444,12 @@ impl KvTransferConfig {
         let kv_connector_extra_config = match obj.get("kv_connector_extra_config") {
             None | Some(Value::Null) => NixlExtraConfig::defaults(),
             Some(Value::Object(extra)) => {
-                if kv_connector == NIXL_PUSH_CONNECTOR && extra.contains_key("read_chunk_bytes") {
+                let read_key = ["read_chunk_bytes", "read_chunks_in_flight"]
+                    .into_iter()
+                    .find(|k| extra.contains_key(*k));
+                if let (NIXL_PUSH_CONNECTOR, Some(key)) = (kv_connector, read_key) {
                     return Err(invalid(format!(
-                        "read_chunk_bytes splits a consumer's READs (pull mode, \
+                        "{key} splits a consumer's READs (pull mode, \
                          \"{NIXL_CONNECTOR}\"); in push mode (\"{NIXL_PUSH_CONNECTOR}\") the \
                          producer WRITEs and nothing is read"
                     )));
@@ -516,6 +529,9 @@ impl KvTransferConfig {
         });
         if let Some(bytes) = x.read_chunk_bytes {
             extra["read_chunk_bytes"] = Value::from(bytes);
+        }
+        if self.kv_connector != NIXL_PUSH_CONNECTOR {
+            extra["read_chunks_in_flight"] = Value::from(x.read_chunks_in_flight);
         }
         if let Some(dir) = &x.nixl_lib_dir {
             extra["nixl_lib_dir"] = Value::String(dir.display().to_string());
@@ -654,6 +670,20 @@ fn parse_extra(
             })?)
         }
     }
+    match extra.get("read_chunks_in_flight") {
+        None | Some(Value::Null) => {}
+        Some(v) => {
+            cfg.read_chunks_in_flight = v
+                .as_u64()
+                .filter(|n| (1..=MAX_READ_CHUNKS as u64).contains(n))
+                .ok_or_else(|| {
+                    invalid(format!(
+                        "read_chunks_in_flight must be a whole number from 1 to \
+                         {MAX_READ_CHUNKS}, got {v}"
+                    ))
+                })? as usize
+        }
+    }
     if let Some(dir) = get_str(extra, "nixl_lib_dir")? {
         if dir.is_empty() {
             return Err(invalid("nixl_lib_dir must not be empty"));
@@ -753,6 +783,7 @@ mod tests {
         assert_eq!(x.load_timeout, Duration::from_secs(30));
         assert_eq!(x.handshake_timeout, Duration::from_secs(5));
         assert_eq!(x.read_chunk_bytes, None, "the consumer's memory decides");
+        assert_eq!(x.read_chunks_in_flight, DEFAULT_READ_CHUNKS_IN_FLIGHT);
         assert!(!c.enable_kv_checksum && !c.kv_checksum_fail_closed);
         assert!(c.kv_fault_injection.is_none());
         assert!(c.kv_partial_recompute);
@@ -773,7 +804,7 @@ mod tests {
                 "kv_connector_extra_config":{"side_channel_host":"10.1.2.3",
                   "kv_lease_duration":2.5,"load_timeout":7,"handshake_timeout":1,
                   "nixl_lib_dir":"/opt/nixl","progress_thread":true,
-                  "read_chunk_bytes":0}}"#,
+                  "read_chunk_bytes":0,"read_chunks_in_flight":5}}"#,
         )
         .unwrap();
         assert_eq!(c.engine_id, "d0");
@@ -788,6 +819,7 @@ mod tests {
         assert_eq!(x.load_timeout, Duration::from_secs(7));
         assert_eq!(x.handshake_timeout, Duration::from_secs(1));
         assert_eq!(x.read_chunk_bytes, Some(0));
+        assert_eq!(x.read_chunks_in_flight, 5);
         for bad in ["-1", "1.5", "\"64MiB\"", "true"] {
             let e = err(&format!(
                 r#"{{"kv_connector":"NixlConnector","kv_role":"kv_consumer",
@@ -811,6 +843,43 @@ mod tests {
             KvTransferConfig::parse(r#"{"kv_connector":"NixlConnector","kv_role":"kv_consumer"}"#)
                 .unwrap();
         assert!(!c.progress_thread());
+    }
+
+    #[test]
+    fn read_chunks_in_flight_is_bounded_and_pull_only() {
+        for bad in ["0", "33", "-1", "1.5", "\"2\"", "true"] {
+            let e = err(&format!(
+                r#"{{"kv_connector":"NixlConnector","kv_role":"kv_consumer",
+                    "kv_connector_extra_config":{{"read_chunks_in_flight":{bad}}}}}"#
+            ));
+            assert!(
+                e.contains("read_chunks_in_flight must be a whole number from 1 to 32"),
+                "{bad}: {e}"
+            );
+        }
+        for key in ["read_chunk_bytes", "read_chunks_in_flight"] {
+            let e = err(&format!(
+                r#"{{"kv_connector":"{NIXL_PUSH_CONNECTOR}","kv_role":"kv_consumer",
+                    "kv_connector_extra_config":{{"{key}":4}}}}"#
+            ));
+            assert!(
+                e.contains(key) && e.contains("nothing is read"),
+                "{key}: {e}"
+            );
+        }
+        let c = KvTransferConfig::parse(&format!(
+            r#"{{"kv_connector":"{NIXL_PUSH_CONNECTOR}","kv_role":"kv_consumer"}}"#
+        ))
+        .unwrap();
+        assert!(c.to_value()["kv_connector_extra_config"]
+            .get("read_chunks_in_flight")
+            .is_none());
+        let c = KvTransferConfig::parse(
+            r#"{"kv_connector":"NixlConnector","kv_role":"kv_consumer",
+                "kv_connector_extra_config":{"read_chunks_in_flight":32}}"#,
+        )
+        .unwrap();
+        assert_eq!(c.kv_connector_extra_config.read_chunks_in_flight, 32);
     }
 
     #[test]

@@ -472,6 +472,24 @@ fn a_read_larger_than_read_chunk_bytes_lands_chunk_by_chunk_then_frees_once() {
     assert_eq!(p.seen.stats.expired_leases, 0);
     finish_and_settle(&mut p, &mut c, 7, &prompt, &params, &c_blocks);
 
+    // Every chunk posted at once (`read_chunks_in_flight`): the same bytes, one end, one free.
+    let all_at_once = json!({ "read_chunk_bytes": BLOCK_MOVE_BYTES, "read_chunks_in_flight": 32 });
+    let mut c = node_with("kv_consumer", "decode-1", all_at_once, None);
+    let p_blocks: Vec<BlockId> = (0..10).collect();
+    let params = produce(&mut p, 3, &prompt, &p_blocks);
+    admit(&mut c, 9, &prompt, &params, 0, &c_blocks);
+    drive(&mut [&mut p, &mut c], T, |n| {
+        n[1].seen.finished_recving.contains(&9) && n[0].seen.finished_sending.contains(&3)
+    });
+    assert!(
+        c.seen.failed_recving.is_empty(),
+        "{:?}",
+        c.seen.failed_recving
+    );
+    assert_blocks_equal(&p.storage, &c.storage, &pairs(&p_blocks, &c_blocks));
+    assert_eq!(c.seen.stats.descriptors, 10 * 8, "ten chunks");
+    assert_eq!(p.seen.stats.expired_leases, 0);
+
     // The default chunk size (8 MiB into host memory) leaves this READ whole: one run per array.
     let mut c = consumer();
     let p_blocks: Vec<BlockId> = (22..32).collect();

@@ -11,7 +11,7 @@
 //! attached, and poll it until it completes, fails, or `load_timeout` passes.
 //!
 //! A READ larger than `read_chunk_bytes` (of whole local blocks: the producer's block size is
-//! ours) is split into chunks of consecutive pairs, posted [`CHUNKS_IN_FLIGHT`] at a time; each
+//! ours) is split into chunks of consecutive pairs, posted `read_chunks_in_flight` at a time; each
 //! chunk that completes is reported as `Landed` with its local blocks (the consumer checksums
 //! them while the next chunk moves), and the done notification goes out, by itself, once the
 //! last chunk completed. One claim and one lease cover all chunks.
@@ -44,7 +44,9 @@ use super::fault::{wrong_block, SplitMix, TransportFault, TransportFaultKind};
 use super::protocol::{LoadKind, PeerAddr, PullNotif};
 use crate::auth::TransferAuth;
 use crate::base::WakerSlot;
-use crate::config::{DEFAULT_DEVICE_READ_CHUNK_BYTES, DEFAULT_HOST_READ_CHUNK_BYTES};
+use crate::config::{
+    DEFAULT_DEVICE_READ_CHUNK_BYTES, DEFAULT_HOST_READ_CHUNK_BYTES, MAX_READ_CHUNKS,
+};
 use crate::error::KvConnectorError;
 use crate::nixl::{BlockPairs, Side};
 use crate::nixl::{NixlAgent, NixlHandshake, TransferHandle, TransferStats, TransferStatus};
@@ -56,10 +58,6 @@ const SHUTDOWN_PROGRESS_ROUNDS: u32 = 20;
 /// How long the idle thread waits for a message before checking again (and, without a
 /// progress thread, calling NIXL).
 const IDLE_WAIT: Duration = Duration::from_millis(10);
-/// Most chunks one READ is split into.
-const MAX_READ_CHUNKS: u64 = 32;
-/// Chunks of a split READ in flight at once: one moves while the last one landed is checksummed.
-pub(crate) const CHUNKS_IN_FLIGHT: usize = 2;
 
 /// Timeouts of the loader.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -71,6 +69,9 @@ pub struct LoaderConfig {
     /// READs of more bytes are split into chunks of about this size (0: never split; `None`:
     /// the default of the local memory's kind).
     pub read_chunk_bytes: Option<u64>,
+    /// Chunks of a split READ posted at once (1..=[`MAX_READ_CHUNKS`]; with 2, one moves while
+    /// the last one landed is checksummed).
+    pub read_chunks_in_flight: usize,
     /// Call NIXL from the thread while idle too (every 10 ms), draining notifications:
     /// for an agent without progress thread that nobody else drains (a pure consumer), so that
     /// UCX answers its peers' connection traffic between loads.
@@ -836,7 +837,7 @@ impl LoaderThread {
         let parts = match (chunk, per_pair, pairs) {
             (1.., Some(per_pair), Some(pairs)) => (per_pair.saturating_mul(pairs as u64))
                 .div_ceil(chunk)
-                .min(MAX_READ_CHUNKS),
+                .min(MAX_READ_CHUNKS as u64),
             _ => 1,
         };
         if parts < 2 {
@@ -845,7 +846,7 @@ impl LoaderThread {
         }
         let mut waiting: VecDeque<BlockPairs> = job.ids.split(parts as usize, Side::Local)?.into();
         let mut posted = VecDeque::new();
-        while posted.len() < CHUNKS_IN_FLIGHT {
+        while posted.len() < self.config.read_chunks_in_flight.max(1) {
             let Some(chunk) = waiting.pop_front() else {
                 break;
             };

@@ -187,6 +187,7 @@ impl SharedParts {
             load_timeout: extra.load_timeout,
             handshake_timeout: extra.handshake_timeout,
             read_chunk_bytes: extra.read_chunk_bytes,
+            read_chunks_in_flight: extra.read_chunks_in_flight,
             auth: auth.clone(),
             transport_fault: extra.transport_fault_injection,
         };

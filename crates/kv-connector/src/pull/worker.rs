@@ -52,6 +52,8 @@ pub struct PullWorkerConfig {
     /// A consumer splits READs larger than this into chunks (`read_chunk_bytes`; 0: never;
     /// `None`: the default of its memory's kind).
     pub read_chunk_bytes: Option<u64>,
+    /// How many chunks of a split READ are posted at once (`read_chunks_in_flight`).
+    pub read_chunks_in_flight: usize,
     /// The deployment secret: a consumer signs its handshake requests with it.
     pub auth: Option<TransferAuth>,
     /// Testing only: a fault where the bytes move (`pull::fault`).
@@ -82,6 +84,7 @@ impl PullWorkerConfig {
                     handshake_timeout: self.handshake_timeout,
                     kv_lease_duration: self.kv_lease_duration,
                     read_chunk_bytes: self.read_chunk_bytes,
+                    read_chunks_in_flight: self.read_chunks_in_flight,
                     progress_when_idle: !self.agent.progress_thread && drain_when_idle,
                 },
                 self.auth.clone(),

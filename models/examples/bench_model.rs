@@ -188,6 +188,11 @@ fn main() {
         for _ in 0..steps {
             t1 += step(model, &kv, &mut solo);
         }
+        if std::env::var_os("BENCH_BATCH1_ONLY").is_some() {
+            // for profiling the batch-1 step alone
+            println!("| {mode} | batch-1 decode {:.1} tok/s |", steps as f64 / t1);
+            continue;
+        }
         // decode at batch 16 (each sequence prefilled first, in one batch)
         let mut seqs: Vec<Seq> = (1..=BATCH).map(&mut new_seq).collect();
         step(model, &kv, &mut seqs);

@@ -23,10 +23,12 @@ def main():
     path = sys.argv[1]
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 32
     threads = int(sys.argv[3]) if len(sys.argv) > 3 else 2
+    # the scores array holds n_batch rows: as many as the context, for long decodes
+    n_ctx = max(1024, PROMPT_LEN + steps + 16)
     llm = llama_cpp.Llama(
         model_path=path,
-        n_ctx=1024,
-        n_batch=512,
+        n_ctx=n_ctx,
+        n_batch=n_ctx,
         n_ubatch=512,
         n_threads=threads,
         n_threads_batch=threads,

@@ -75,29 +75,32 @@ impl<'a> LayerCache<'a> {
     }
 }
 
-/// One task: queries `r0..r0 + n` of sequence `seq`, for the query heads of KV heads `kv_heads`.
+/// One task: queries `r0..r0 + n` of sequence `seq`, for the query heads `heads` (a range that
+/// may start or end inside a KV head's group).
 #[derive(Debug, Clone, PartialEq)]
 struct Task {
     seq: usize,
     r0: usize,
     n: usize,
-    kv_heads: std::ops::Range<usize>,
+    heads: std::ops::Range<usize>,
 }
 
-/// Splits tasks across KV heads when there are too few to keep `threads` busy (a batch-1
-/// decode step is one task): at least two tasks per thread where the heads allow. Heads are
-/// independent, so a query's result does not depend on the split.
-fn split_by_kv_heads(tasks: Vec<Task>, nkv: usize, threads: usize) -> Vec<Task> {
+/// Splits tasks across query heads when there are too few to keep `threads` busy (a batch-1
+/// decode step is one task): at least two tasks per thread where the heads allow. The parts
+/// are ranges of query heads, not of KV heads, so that 3 KV heads still split evenly over 2
+/// threads (a KV head's group may be cut: its K and V rows are then read by both parts). Each
+/// query head is computed on its own, so a query's result does not depend on the split.
+fn split_by_heads(tasks: Vec<Task>, nh: usize, threads: usize) -> Vec<Task> {
     let want = 2 * threads;
-    if threads < 2 || tasks.len() >= want || nkv < 2 {
+    if threads < 2 || tasks.len() >= want || nh < 2 {
         return tasks;
     }
-    let parts = want.div_ceil(tasks.len()).min(nkv);
+    let parts = want.div_ceil(tasks.len()).min(nh);
     tasks
         .into_iter()
         .flat_map(|t| {
             (0..parts).map(move |i| Task {
-                kv_heads: i * nkv / parts..(i + 1) * nkv / parts,
+                heads: i * nh / parts..(i + 1) * nh / parts,
                 ..t.clone()
             })
         })
@@ -170,7 +173,7 @@ pub(crate) fn paged_attention_on(
                 seq: s,
                 r0: r,
                 n,
-                kv_heads: 0..nkv,
+                heads: 0..nh,
             });
             r += n;
         }
@@ -179,7 +182,7 @@ pub(crate) fn paged_attention_on(
     // too (a second pool on the same cores only adds wake-ups and preemption). Its threads are
     // its workers and the calling thread.
     let pool = candle_core::utils::barrier_pool();
-    let tasks = split_by_kv_heads(tasks, nkv, pool.n_workers() + 1);
+    let tasks = split_by_heads(tasks, nh, pool.n_workers() + 1);
     let slots: Vec<OnceLock<Vec<f32>>> = (0..tasks.len()).map(|_| OnceLock::new()).collect();
     pool.execute_chunked(tasks.len(), |range| {
         for t in range {
@@ -187,13 +190,11 @@ pub(crate) fn paged_attention_on(
         }
     });
     let mut out = vec![0f32; rows * row];
-    let group_width = (nh / nkv) * hd;
     for (task, res) in tasks.iter().zip(slots) {
         let res = res.into_inner().expect("every task ran");
-        let width = task.kv_heads.len() * group_width;
+        let width = task.heads.len() * hd;
         for (i, part) in res.chunks_exact(width).enumerate() {
-            let dst = (seqs[task.seq].query_start + task.r0 + i) * row
-                + task.kv_heads.start * group_width;
+            let dst = (seqs[task.seq].query_start + task.r0 + i) * row + task.heads.start * hd;
             out[dst..dst + width].copy_from_slice(part);
         }
     }
@@ -490,7 +491,8 @@ fn accumulate_values(acc: &mut [f32], w: &[f32], vb: &[f32], stride: usize) {
     }
 }
 
-/// Attention of queries `r0..r0+n` of `seq`, all heads. Returns `[n, num_heads * head_dim]`.
+/// Attention of queries `r0..r0+n` of `seq`, query heads `task.heads`. Returns
+/// `[n, task.heads.len() * head_dim]`.
 ///
 /// The cache is walked 16 positions at a time ([`CHUNK`]); their rows of every KV head are used
 /// by that head's query vectors while they are hot, so the context is read from memory once.
@@ -507,25 +509,32 @@ unsafe fn attend_tile<S: Scores>(
 ) -> Vec<f32> {
     let (nh, nkv, hd) = (p.num_heads, p.num_kv_heads, p.head_dim);
     let group = nh / nkv;
-    let (r0, n, heads) = (task.r0, task.n, task.kv_heads.clone());
-    let nk = heads.len();
+    let (r0, n, heads) = (task.r0, task.n, task.heads.clone());
     let layout = cache.view().layout;
     let bs = layout.block_size;
     let first = seq.context_len - seq.query_len; // cache index of the sequence's first query
 
-    // Scaled query vectors ordered [kv head g][query i][head h of the group], so that the
-    // vectors sharing a KV head are contiguous: vector index (gl * n + i) * group + h, with
-    // `gl = g - heads.start` the KV head's place in this task.
-    let nq = n * nk * group;
-    let per_g = n * group;
+    // The KV heads the task reads: (KV head g, its query heads in the task, the index of their
+    // first vector). Scaled query vectors are ordered [kv head][query i][head of the group in
+    // the task], so that the vectors sharing a KV head are contiguous: KV head g's vector of
+    // query i and head h is `off + i * hs.len() + (h - hs.start)`.
+    let kv_heads: Vec<(usize, std::ops::Range<usize>, usize)> = (heads.start / group
+        ..heads.end.div_ceil(group))
+        .map(|g| {
+            let hs = heads.start.max(g * group)..heads.end.min((g + 1) * group);
+            let off = n * (hs.start - heads.start);
+            (g, hs, off)
+        })
+        .collect();
+    let nq = n * heads.len();
     let mut qs = vec![0f32; nq * hd];
     for i in 0..n {
         let src = &q[(seq.query_start + r0 + i) * nh * hd..][..nh * hd];
-        for g in heads.clone() {
-            let dst = ((g - heads.start) * n + i) * group * hd;
-            for (d, &x) in qs[dst..dst + group * hd]
+        for (_, hs, off) in &kv_heads {
+            let dst = (off + i * hs.len()) * hd;
+            for (d, &x) in qs[dst..dst + hs.len() * hd]
                 .iter_mut()
-                .zip(&src[g * group * hd..(g + 1) * group * hd])
+                .zip(&src[hs.start * hd..hs.end * hd])
             {
                 *d = x * p.scale;
             }
@@ -540,8 +549,8 @@ unsafe fn attend_tile<S: Scores>(
     let mut acc = vec![0f32; nq * hd];
     let mut max = vec![f32::NEG_INFINITY; nq];
     let mut sum = vec![0f32; nq];
-    // scores of the query vectors of one KV head for the keys of one chunk: [per_g, CHUNK]
-    let mut scores = vec![0f32; per_g * CHUNK];
+    // scores of the query vectors of one KV head for the keys of one chunk: [vectors, CHUNK]
+    let mut scores = vec![0f32; n * group * CHUNK];
     let bytes = matches!(cache, LayerCache::Bytes(_));
     let mut k_scratch = vec![0f32; if bytes { CHUNK * hd } else { 0 }];
     let mut v_scratch = k_scratch.clone();
@@ -551,8 +560,8 @@ unsafe fn attend_tile<S: Scores>(
         // keys j0..j1 of this chunk that some query of the tile sees
         let c0 = c * CHUNK;
         let (j0, j1) = (c0.max(t_lo), (c0 + CHUNK).min(t_hi));
-        for g in heads.clone() {
-            let gl = g - heads.start;
+        for (g, hs, off) in &kv_heads {
+            let (g, off, ng) = (*g, *off, hs.len());
             // The chunk's K and V rows of head g: one segment per block it overlaps (read in
             // place from f32 blocks), or one segment decoded into the scratch.
             f32_segments.clear();
@@ -606,7 +615,7 @@ unsafe fn attend_tile<S: Scores>(
             } else {
                 &f32_segments
             };
-            let qg = &qs[gl * per_g * hd..(gl + 1) * per_g * hd];
+            let qg = &qs[off * hd..(off + n * ng) * hd];
             // Scores of the group's query vectors against all keys of the chunk (masking below).
             // One kernel for every query, whatever the batch, and each key's score on its own:
             // neither the batch nor the block size changes a score.
@@ -622,9 +631,9 @@ unsafe fn attend_tile<S: Scores>(
                 if a >= z {
                     continue;
                 }
-                for h in 0..group {
-                    let li = i * group + h; // within the group's vectors
-                    let qi = gl * per_g + li;
+                for h in 0..ng {
+                    let li = i * ng + h; // within the KV head's vectors
+                    let qi = off + li;
                     let row = &mut scores[li * CHUNK..(li + 1) * CHUNK];
                     let sc = &mut row[a - c0..z - c0];
                     let m_blk = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -655,12 +664,12 @@ unsafe fn attend_tile<S: Scores>(
     }
     // Normalize and reorder to [query i][head of this task].
     let mut out = vec![0f32; nq * hd];
-    for gl in 0..nk {
+    for (_, hs, off) in &kv_heads {
         for i in 0..n {
-            for h in 0..group {
-                let qi = (gl * n + i) * group + h;
+            for (h, head) in hs.clone().enumerate() {
+                let qi = off + i * hs.len() + h;
                 let inv = 1.0 / sum[qi];
-                let dst = (i * nk * group + gl * group + h) * hd;
+                let dst = (i * heads.len() + head - heads.start) * hd;
                 for (o, &a) in out[dst..dst + hd]
                     .iter_mut()
                     .zip(&acc[qi * hd..(qi + 1) * hd])
@@ -1067,40 +1076,42 @@ mod tests {
     }
 
     #[test]
-    fn few_tasks_are_split_over_kv_heads_covering_each_once() {
+    fn few_tasks_are_split_over_query_heads_covering_each_once() {
         let t = |seq, r0, n| Task {
             seq,
             r0,
             n,
-            kv_heads: 0..3,
+            heads: 0..9,
         };
-        // one decode task, two threads: three parts (at most one per KV head)
-        let split = split_by_kv_heads(vec![t(0, 0, 1)], 3, 2);
-        let heads: Vec<_> = split.iter().map(|t| t.kv_heads.clone()).collect();
-        assert_eq!(heads, vec![0..1, 1..2, 2..3]);
-        // two tasks, two threads, 3 heads: two parts each, every head once per task
-        let split = split_by_kv_heads(vec![t(0, 0, 1), t(1, 0, 4)], 3, 2);
+        // one decode task, two threads, 9 heads (3 KV heads): four parts of 2 or 3 heads, not
+        // three of a KV head each (that leaves one thread with two of the three)
+        let split = split_by_heads(vec![t(0, 0, 1)], 9, 2);
+        let heads: Vec<_> = split.iter().map(|t| t.heads.clone()).collect();
+        assert_eq!(heads, vec![0..2, 2..4, 4..6, 6..9]);
+        // two tasks, two threads: two parts each, every head once per task
+        let split = split_by_heads(vec![t(0, 0, 1), t(1, 0, 4)], 9, 2);
         assert_eq!(split.len(), 4);
         for seq in 0..2 {
             let mut covered: Vec<usize> = split
                 .iter()
                 .filter(|t| t.seq == seq)
-                .flat_map(|t| t.kv_heads.clone())
+                .flat_map(|t| t.heads.clone())
                 .collect();
             covered.sort();
-            assert_eq!(covered, vec![0, 1, 2]);
+            assert_eq!(covered, (0..9).collect::<Vec<_>>());
         }
-        // enough tasks, one thread or one KV head: unchanged
+        // enough tasks, one thread or one head: unchanged
         let many: Vec<Task> = (0..4).map(|s| t(s, 0, 1)).collect();
-        assert_eq!(split_by_kv_heads(many.clone(), 3, 2), many);
-        assert_eq!(split_by_kv_heads(vec![t(0, 0, 1)], 3, 1), vec![t(0, 0, 1)]);
-        assert_eq!(split_by_kv_heads(vec![t(0, 0, 1)], 1, 2).len(), 1);
+        assert_eq!(split_by_heads(many.clone(), 9, 2), many);
+        assert_eq!(split_by_heads(vec![t(0, 0, 1)], 9, 1), vec![t(0, 0, 1)]);
+        assert_eq!(split_by_heads(vec![t(0, 0, 1)], 1, 2).len(), 1);
     }
 
     #[test]
-    fn a_decode_split_over_kv_heads_equals_the_same_query_in_a_full_batch() {
+    fn a_decode_split_over_heads_equals_the_same_query_in_a_full_batch() {
         // 6 query heads over 3 KV heads: alone, the decode query is one task split over the
-        // KV heads (on 2+ threads); behind 5 other sequences nothing is split
+        // query heads (on 2+ threads: parts cut through KV heads' groups); behind 5 other
+        // sequences nothing is split
         let (nh, nkv, hd, bs) = (6, 3, 16, 4);
         let storage = one_layer_storage(40, bs, nkv, hd, CacheDtype::F32);
         let mut s = 21;

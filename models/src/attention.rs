@@ -226,6 +226,13 @@ trait Scores {
     /// # Safety
     /// The CPU runs the implementation's instruction set.
     unsafe fn scores(q: &[f32], kb: &[f32], stride: usize, nt: usize, sc: &mut [f32]);
+
+    /// `acc += Σ_t w[t] · v_t` (see [`accumulate_values`]): multiply-adds rounded twice, the
+    /// portable way (a target without FMA has no fast fused one).
+    #[inline(always)]
+    fn accumulate(acc: &mut [f32], w: &[f32], vb: &[f32], stride: usize) {
+        accumulate_values::<false>(acc, w, vb, stride)
+    }
 }
 
 /// One portable dot per key (the portable and AVX2 variants).
@@ -247,6 +254,12 @@ struct Avx512Scores;
 
 #[cfg(target_arch = "x86_64")]
 impl Scores for Avx512Scores {
+    /// Fused multiply-adds (the CPU has FMA).
+    #[inline(always)]
+    fn accumulate(acc: &mut [f32], w: &[f32], vb: &[f32], stride: usize) {
+        accumulate_values::<true>(acc, w, vb, stride)
+    }
+
     #[inline(always)]
     unsafe fn scores(q: &[f32], kb: &[f32], stride: usize, nt: usize, sc: &mut [f32]) {
         let hd = q.len();
@@ -280,6 +293,12 @@ struct Avx2Scores;
 
 #[cfg(target_arch = "x86_64")]
 impl Scores for Avx2Scores {
+    /// Fused multiply-adds (the CPU has FMA).
+    #[inline(always)]
+    fn accumulate(acc: &mut [f32], w: &[f32], vb: &[f32], stride: usize) {
+        accumulate_values::<true>(acc, w, vb, stride)
+    }
+
     #[inline(always)]
     unsafe fn scores(q: &[f32], kb: &[f32], stride: usize, nt: usize, sc: &mut [f32]) {
         let hd = q.len();
@@ -454,9 +473,11 @@ mod simd {
 }
 
 /// `acc += Σ_t w[t] · v_t` where `v_t = vb[t * stride..][..hd]`: 64 dimensions at a time held in
-/// four registers across all keys (independent FMA chains), then 16 at a time.
+/// registers across all keys (independent chains), then 16 at a time; each element's
+/// multiply-adds in key order, fused (one rounding) with `FUSED`, else a multiply and an add.
 #[inline(always)]
-fn accumulate_values(acc: &mut [f32], w: &[f32], vb: &[f32], stride: usize) {
+fn accumulate_values<const FUSED: bool>(acc: &mut [f32], w: &[f32], vb: &[f32], stride: usize) {
+    let madd = |a: f32, w: f32, v: f32| if FUSED { w.mul_add(v, a) } else { a + w * v };
     let hd = acc.len();
     let mut c = 0;
     while c + 4 * L <= hd {
@@ -465,7 +486,7 @@ fn accumulate_values(acc: &mut [f32], w: &[f32], vb: &[f32], stride: usize) {
             let o = t * stride + c;
             let v: &[f32; 4 * L] = vb[o..o + 4 * L].try_into().unwrap();
             for l in 0..4 * L {
-                a[l] += wt * v[l];
+                a[l] = madd(a[l], wt, v[l]);
             }
         }
         acc[c..c + 4 * L].copy_from_slice(&a);
@@ -477,7 +498,7 @@ fn accumulate_values(acc: &mut [f32], w: &[f32], vb: &[f32], stride: usize) {
             let o = t * stride + c;
             let v: &[f32; L] = vb[o..o + L].try_into().unwrap();
             for l in 0..L {
-                a[l] += wt * v[l];
+                a[l] = madd(a[l], wt, v[l]);
             }
         }
         acc[c..c + L].copy_from_slice(&a);
@@ -486,7 +507,13 @@ fn accumulate_values(acc: &mut [f32], w: &[f32], vb: &[f32], stride: usize) {
     if c < hd {
         for (t, &wt) in w.iter().enumerate() {
             let o = t * stride;
-            axpy(&mut acc[c..], wt, &vb[o + c..o + hd]);
+            if FUSED {
+                for (a, &v) in acc[c..].iter_mut().zip(&vb[o + c..o + hd]) {
+                    *a = madd(*a, wt, v);
+                }
+            } else {
+                axpy(&mut acc[c..], wt, &vb[o + c..o + hd]);
+            }
         }
     }
 }
@@ -650,7 +677,7 @@ unsafe fn attend_tile<S: Scores>(
                     for seg in segments {
                         let (sa, sz) = (a.max(seg.j), z.min(seg.j + seg.nt));
                         if sa < sz {
-                            accumulate_values(
+                            S::accumulate(
                                 acc_q,
                                 &row[sa - c0..sz - c0],
                                 &seg.v[(sa - seg.j) * seg.stride..],

@@ -122,8 +122,9 @@ async fn a_read_of_the_wrong_blocks_is_caught() {
     common::wait_all_free(&[&p, &d]).await;
 }
 
-/// The producer's lease (1 s) ends while the consumer waits (3 s) between its granted claim and
-/// its READ; other requests then reuse the freed blocks. The READ returns their KV, not the
+/// The producer's lease (1 s) ends while the consumer waits (8 s: room for the fillers below
+/// on a loaded 2-core machine) between its granted claim and its READ; other requests then reuse
+/// the freed blocks. The READ returns their KV, not the
 /// prompt's: the checksums catch it and the consumer recomputes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_read_after_the_lease_expired_and_the_blocks_were_reused_is_caught() {
@@ -139,7 +140,7 @@ async fn a_read_after_the_lease_expired_and_the_blocks_were_reused_is_caught() {
     ]);
     let d = Server::serve(&[
         "--kv-transfer-config",
-        &consumer(r#""transport_fault_injection":{"kind":"slow_read","delay":3}"#),
+        &consumer(r#""transport_fault_injection":{"kind":"slow_read","delay":8}"#),
     ]);
     let params = prefill(&p, PROMPT).await;
     let blocks = params["remote_block_ids"].as_array().unwrap().len();

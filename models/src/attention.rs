@@ -248,6 +248,42 @@ impl Scores for DotScores {
     }
 }
 
+/// Scores `nt` keys `W` at a time with `kernel` (`out[t] = q · k_t` for up to `W` keys), or
+/// with the portable dot when the head size is not a multiple of `W`.
+///
+/// # Safety
+/// The CPU runs `kernel`'s instruction set.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn scores_by<const W: usize>(
+    q: &[f32],
+    kb: &[f32],
+    stride: usize,
+    nt: usize,
+    sc: &mut [f32],
+    kernel: impl Fn(&[f32], &[f32], usize, usize, &mut [f32; W]),
+) {
+    let hd = q.len();
+    if !hd.is_multiple_of(W) {
+        // SAFETY: the portable dot runs anywhere.
+        return unsafe { DotScores::scores(q, kb, stride, nt, sc) };
+    }
+    let mut t = 0;
+    while t < nt {
+        let k = (nt - t).min(W);
+        let mut out = [0f32; W];
+        kernel(
+            q,
+            &kb[t * stride..(t + k - 1) * stride + hd],
+            stride,
+            k,
+            &mut out,
+        );
+        sc[t..t + k].copy_from_slice(&out[..k]);
+        t += k;
+    }
+}
+
 /// 16 keys at a time with AVX-512 where the head size allows, dots otherwise.
 #[cfg(target_arch = "x86_64")]
 struct Avx512Scores;
@@ -262,27 +298,11 @@ impl Scores for Avx512Scores {
 
     #[inline(always)]
     unsafe fn scores(q: &[f32], kb: &[f32], stride: usize, nt: usize, sc: &mut [f32]) {
-        let hd = q.len();
-        if !hd.is_multiple_of(L) {
-            // SAFETY: the portable dot runs anywhere.
-            return unsafe { DotScores::scores(q, kb, stride, nt, sc) };
-        }
-        let mut t = 0;
-        while t < nt {
-            let k = (nt - t).min(L);
-            let mut out = [0f32; L];
-            // SAFETY: the CPU has AVX-512F (the caller's contract).
-            unsafe {
-                simd::scores16(
-                    q,
-                    &kb[t * stride..(t + k - 1) * stride + hd],
-                    stride,
-                    k,
-                    &mut out,
-                )
-            };
-            sc[t..t + k].copy_from_slice(&out[..k]);
-            t += k;
+        // SAFETY: the CPU has AVX-512F (the caller's contract).
+        unsafe {
+            scores_by::<L>(q, kb, stride, nt, sc, |q, kb, stride, k, out| {
+                simd::scores16(q, kb, stride, k, out)
+            })
         }
     }
 }
@@ -301,27 +321,11 @@ impl Scores for Avx2Scores {
 
     #[inline(always)]
     unsafe fn scores(q: &[f32], kb: &[f32], stride: usize, nt: usize, sc: &mut [f32]) {
-        let hd = q.len();
-        if !hd.is_multiple_of(8) {
-            // SAFETY: the portable dot runs anywhere.
-            return unsafe { DotScores::scores(q, kb, stride, nt, sc) };
-        }
-        let mut t = 0;
-        while t < nt {
-            let k = (nt - t).min(8);
-            let mut out = [0f32; 8];
-            // SAFETY: the CPU has AVX2 and FMA (the caller's contract).
-            unsafe {
-                simd::scores8(
-                    q,
-                    &kb[t * stride..(t + k - 1) * stride + hd],
-                    stride,
-                    k,
-                    &mut out,
-                )
-            };
-            sc[t..t + k].copy_from_slice(&out[..k]);
-            t += k;
+        // SAFETY: the CPU has AVX2 and FMA (the caller's contract).
+        unsafe {
+            scores_by::<8>(q, kb, stride, nt, sc, |q, kb, stride, k, out| {
+                simd::scores8(q, kb, stride, k, out)
+            })
         }
     }
 }

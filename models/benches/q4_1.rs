@@ -2,8 +2,9 @@
 //! is noisy: compare the ratio): SmolLM2-135M's MLP shapes at batch 1 and 16, f32 inputs
 //! (`--dtype native`) and inputs quantized to 8 bits (`--dtype native-i8`, quantization
 //! included; with and without VNNI where the CPU has it), each instruction-set variant this
-//! CPU runs, and on AMX tiles (`--dtype native-amx`) where the CPU has AMX-INT8; batch 128 as
-//! a prefill chunk.
+//! CPU runs, the same 8-bit inputs on the grouped layout (`i8-grouped`: 16 weight rows per
+//! register, the layout AMX tiles read) and on AMX tiles (`--dtype native-amx`) where the CPU
+//! has AMX-INT8; batch 128 as a prefill chunk.
 //!
 //! ```text
 //! RAYON_NUM_THREADS=2 cargo bench -p tandem-models --bench q4_1
@@ -47,7 +48,8 @@ fn bench(c: &mut Criterion) {
                 black_box(&mut dst);
             })
         });
-        let amx = amx_available().then(|| AmxQ4_1Matrix::new(&w));
+        let grouped = AmxQ4_1Matrix::new(&w);
+        let amx = amx_available().then(|| grouped.clone());
         for m in [1usize, 16, 128] {
             let x: Vec<f32> = (0..m * cols).map(|i| (i as f32 * 0.37).sin()).collect();
             if let Some(amx) = &amx {
@@ -75,9 +77,23 @@ fn bench(c: &mut Criterion) {
                         Vnni::Off => format!("i8-novnni@{}", isa.name()),
                         _ => format!("i8-vnni@{}", isa.name()),
                     };
-                    g.bench_with_input(BenchmarkId::new(name, m), &x, |b, x| {
+                    g.bench_with_input(BenchmarkId::new(name.clone(), m), &x, |b, x| {
                         b.iter(|| black_box(w.matmul_q8_on(isa, &Q8Rows::quantize(x, cols))))
                     });
+                    // the same inputs on the grouped layout, without AMX
+                    g.bench_with_input(
+                        BenchmarkId::new(name.replacen("i8", "i8-grouped", 1), m),
+                        &x,
+                        |b, x| {
+                            b.iter(|| {
+                                black_box(grouped.matmul_q8_with(
+                                    isa,
+                                    false,
+                                    &Q8Rows::quantize(x, cols),
+                                ))
+                            })
+                        },
+                    );
                 }
                 set_vnni_allowed(true);
             }

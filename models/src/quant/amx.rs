@@ -39,7 +39,7 @@ use crate::cpu::Isa;
 use crate::quant::Q8Rows;
 
 /// Weight rows per group: the 16 columns of a `tdpbssd` result.
-const GROUP_ROWS: usize = 16;
+pub(super) const GROUP_ROWS: usize = 16;
 /// Input rows per tile: the 16 rows of an A tile.
 const TILE_INPUTS: usize = 16;
 /// Bytes of a block's B tile: 8 rows of 64 signed bytes (4 consecutive values of 16 rows each).
@@ -194,11 +194,21 @@ impl<F: TileFormat> AmxMatrix<F> {
         self.bytes.len()
     }
 
-    fn blocks(&self) -> usize {
+    /// Rows of the matrix (outputs of a matmul).
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Columns of the matrix (values of an input row).
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    pub(super) fn blocks(&self) -> usize {
         self.cols / QK
     }
 
-    fn group_block(&self, g: usize, b: usize) -> &[u8] {
+    pub(super) fn group_block(&self, g: usize, b: usize) -> &[u8] {
         &self.bytes[(g * self.blocks() + b) * F::GROUP_BLOCK_BYTES..][..F::GROUP_BLOCK_BYTES]
     }
 
@@ -240,13 +250,25 @@ impl<F: TileFormat> AmxMatrix<F> {
         out
     }
 
-    /// `y = x Wᵀ` on AMX tiles. Panics where [`amx_available`] is false (the mode is refused
-    /// at load there).
+    /// `y = x Wᵀ` with the fastest kernel this process runs: AMX tiles where
+    /// [`amx_available`], else the vector kernels of [`Isa::active`] (`super::grouped`); the
+    /// same bits either way.
     pub fn matmul_q8(&self, x: &Q8Rows) -> Vec<f32> {
-        assert_eq!(x.k, self.cols, "AMX matmul input width");
+        self.matmul_q8_with(Isa::active(), amx_available(), x)
+    }
+
+    /// `y = x Wᵀ` on AMX tiles (`amx`) or with the vector kernels of `isa`. Panics where the
+    /// CPU runs neither (the modes are refused at load there).
+    pub fn matmul_q8_with(&self, isa: Isa, amx: bool, x: &Q8Rows) -> Vec<f32> {
+        assert_eq!(x.k, self.cols, "grouped matmul input width");
         assert!(
-            amx_available(),
-            "AMX kernels on a CPU or kernel without them"
+            if amx {
+                amx_available()
+            } else {
+                isa.supported()
+            },
+            "{} kernels on a CPU or kernel without them",
+            if amx { "AMX" } else { isa.name() }
         );
         let (m, n) = (x.len(), self.rows);
         let mut y = vec![0f32; m * n];
@@ -257,41 +279,49 @@ impl<F: TileFormat> AmxMatrix<F> {
         let xv = x.view();
         let groups = n.div_ceil(GROUP_ROWS);
         candle_core::utils::barrier_pool().execute_chunked(groups, |range| {
-            // SAFETY: AMX is available (asserted) and the tile state granted; each item
-            // writes only the columns of its groups (`out` holds m rows of n, outliving the
-            // call, which returns after every item ran).
-            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the CPU runs the kernel picked (asserted above; AMX's tile state is
+            // granted where `amx_available`); each item writes only the columns of its
+            // groups (`out` holds m rows of n, outliving the call, which returns after every
+            // item ran).
             unsafe {
-                kernel::groups(self, xv, m, range, &out)
+                match amx {
+                    #[cfg(target_arch = "x86_64")]
+                    true => kernel::groups(self, xv, m, range, &out),
+                    _ => super::grouped::groups(isa, self, xv, m, range, &out),
+                }
             }
-            #[cfg(not(target_arch = "x86_64"))]
-            unreachable!("AMX off x86-64 {range:?}");
         });
         y
     }
 
-    /// The arithmetic of the module docs in plain Rust: what [`Self::matmul_q8`] computes, bit
-    /// for bit, on any CPU.
+    /// Output `y[t][r]` by the arithmetic of the module docs in plain Rust.
+    pub(super) fn reference_output(&self, xv: Q8View<'_>, t: usize, r: usize) -> f32 {
+        let nb = self.blocks();
+        let (g, lr) = (r / GROUP_ROWS, r % GROUP_ROWS);
+        let mut acc = 0f32;
+        for b in 0..nb {
+            let (dw, mw, qw) = Self::row_of(self.group_block(g, b), lr);
+            let qa = &xv.qs[t * self.cols + b * QK..][..QK];
+            let s: i32 = qw.iter().zip(qa).map(|(&w, &a)| w * i32::from(a)).sum();
+            let (da, sa) = (xv.d[t * nb + b], xv.s[t * nb + b]);
+            acc = (s as f32).mul_add(dw * da, acc);
+            if F::MINIMUMS {
+                acc = mw.mul_add(sa, acc);
+            }
+        }
+        acc
+    }
+
+    /// The arithmetic of the module docs in plain Rust, one output at a time: what
+    /// [`Self::matmul_q8`] computes, bit for bit, on any CPU.
     pub fn matmul_reference(&self, x: &Q8Rows) -> Vec<f32> {
-        assert_eq!(x.k, self.cols, "AMX matmul input width");
-        let (m, n, nb) = (x.len(), self.rows, self.blocks());
+        assert_eq!(x.k, self.cols, "grouped matmul input width");
+        let (m, n) = (x.len(), self.rows);
         let xv = x.view();
         let mut y = vec![0f32; m * n];
         for t in 0..m {
             for r in 0..n {
-                let (g, lr) = (r / GROUP_ROWS, r % GROUP_ROWS);
-                let mut acc = 0f32;
-                for b in 0..nb {
-                    let (dw, mw, qw) = Self::row_of(self.group_block(g, b), lr);
-                    let qa = &xv.qs[t * self.cols + b * QK..][..QK];
-                    let s: i32 = qw.iter().zip(qa).map(|(&w, &a)| w * i32::from(a)).sum();
-                    let (da, sa) = (xv.d[t * nb + b], xv.s[t * nb + b]);
-                    acc = (s as f32).mul_add(dw * da, acc);
-                    if F::MINIMUMS {
-                        acc = mw.mul_add(sa, acc);
-                    }
-                }
-                y[t * n + r] = acc;
+                y[t * n + r] = self.reference_output(xv, t, r);
             }
         }
         y
@@ -494,11 +524,11 @@ mod kernel {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
     /// A random Q4_1 matrix (f16 scales and minimums of a realistic size).
-    fn random_q4_1(rows: usize, cols: usize, seed: u64) -> Q4_1Matrix {
+    pub(in crate::quant) fn random_q4_1(rows: usize, cols: usize, seed: u64) -> Q4_1Matrix {
         let mut s = seed;
         let mut next = move || {
             s = s
@@ -517,7 +547,7 @@ mod tests {
         Q4_1Matrix::new(rows, cols, bytes).unwrap()
     }
 
-    fn random_inputs(m: usize, k: usize, seed: u64) -> Vec<f32> {
+    pub(in crate::quant) fn random_inputs(m: usize, k: usize, seed: u64) -> Vec<f32> {
         let mut s = seed;
         (0..m * k)
             .map(|_| {

@@ -28,6 +28,7 @@ use crate::cpu::Isa;
 use crate::error::ModelError;
 
 mod amx;
+mod grouped;
 mod int8;
 #[cfg(target_arch = "x86_64")]
 mod int8_forms;

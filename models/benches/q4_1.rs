@@ -1,9 +1,8 @@
 //! The Q4_1 matmul kernels against a memcpy of the same weight bytes, in one run (the machine
 //! is noisy: compare the ratio): SmolLM2-135M's MLP shapes at batch 1 and 16, f32 inputs
-//! (`--dtype native`) and inputs quantized to 8 bits (`--dtype native-i8`, quantization
-//! included; with and without VNNI where the CPU has it), each instruction-set variant this
-//! CPU runs, the same 8-bit inputs on the grouped layout (`i8-grouped`: 16 weight rows per
-//! register, the layout AMX tiles read) and on AMX tiles (`--dtype native-amx`) where the CPU
+//! (`--dtype native`) and inputs quantized to 8 bits on the grouped layout (`--dtype
+//! native-i8`, quantization included; with and without VNNI where the CPU has it), each
+//! instruction-set variant this CPU runs, and on AMX tiles (`--dtype native-amx`) where the CPU
 //! has AMX-INT8; batch 128 as a prefill chunk.
 //!
 //! ```text
@@ -13,7 +12,7 @@
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use std::hint::black_box;
 use tandem_models::cpu::{set_vnni_allowed, vnni_for, Isa, Vnni};
-use tandem_models::quant::{amx_available, AmxQ4_1Matrix, Q4_1Matrix, Q8Rows};
+use tandem_models::quant::{amx_available, GroupedQ4_1Matrix, Q4_1Matrix, Q8Rows};
 
 /// A `[rows, cols]` matrix of pseudo-random blocks (scales ~0.02, minimums ~-0.1).
 fn matrix(rows: usize, cols: usize) -> Q4_1Matrix {
@@ -48,14 +47,20 @@ fn bench(c: &mut Criterion) {
                 black_box(&mut dst);
             })
         });
-        let grouped = AmxQ4_1Matrix::new(&w);
-        let amx = amx_available().then(|| grouped.clone());
+        let grouped = GroupedQ4_1Matrix::new(&w);
+        let amx = amx_available();
         for m in [1usize, 16, 128] {
             let x: Vec<f32> = (0..m * cols).map(|i| (i as f32 * 0.37).sin()).collect();
-            if let Some(amx) = &amx {
+            if amx {
                 Isa::set_active(Isa::Avx512).expect("AMX CPUs run AVX-512");
                 g.bench_with_input(BenchmarkId::new("i8-amx", m), &x, |b, x| {
-                    b.iter(|| black_box(amx.matmul_q8(&Q8Rows::quantize(x, cols))))
+                    b.iter(|| {
+                        black_box(grouped.matmul_q8_with(
+                            Isa::Avx512,
+                            true,
+                            &Q8Rows::quantize(x, cols),
+                        ))
+                    })
                 });
             }
             for isa in Isa::runnable() {
@@ -77,23 +82,15 @@ fn bench(c: &mut Criterion) {
                         Vnni::Off => format!("i8-novnni@{}", isa.name()),
                         _ => format!("i8-vnni@{}", isa.name()),
                     };
-                    g.bench_with_input(BenchmarkId::new(name.clone(), m), &x, |b, x| {
-                        b.iter(|| black_box(w.matmul_q8_on(isa, &Q8Rows::quantize(x, cols))))
+                    g.bench_with_input(BenchmarkId::new(name, m), &x, |b, x| {
+                        b.iter(|| {
+                            black_box(grouped.matmul_q8_with(
+                                isa,
+                                false,
+                                &Q8Rows::quantize(x, cols),
+                            ))
+                        })
                     });
-                    // the same inputs on the grouped layout, without AMX
-                    g.bench_with_input(
-                        BenchmarkId::new(name.replacen("i8", "i8-grouped", 1), m),
-                        &x,
-                        |b, x| {
-                            b.iter(|| {
-                                black_box(grouped.matmul_q8_with(
-                                    isa,
-                                    false,
-                                    &Q8Rows::quantize(x, cols),
-                                ))
-                            })
-                        },
-                    );
                 }
                 set_vnni_allowed(true);
             }

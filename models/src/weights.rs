@@ -31,17 +31,16 @@
 //!   dot-product kernel that does not batch (measured for Q4_1 before our kernel: batch 16 ÷
 //!   batch 1 ≈ 1.1x). Whether a Q4_K/Q8_0 file with 256-multiple widths batches in this mode
 //!   has not been measured.
-//! - `NativeI8`: `Native` with each Q4_1 matmul's inputs quantized to 8 bits per 32 values
-//!   (`q4_1/int8.rs`), as llama.cpp multiplies Q4_1: integer dot products, about half the
-//!   instructions per weight of the f32 kernel, so batch-1 decode reads weights at close to the
-//!   memory's rate (BENCHMARKS.md); the activation rounding moves it a little further from f32
-//!   than `Native` (models/tests/weight_modes.rs prints its KL).
-//! - `NativeAmx`: `NativeI8`'s 8-bit inputs and the file's Q4_1 weights multiplied on AMX tiles
-//!   (`quant/amx.rs`: one `tdpbssd` per 16 weight rows, 16 input rows and 32-value block), where
-//!   the CPU has AMX-INT8 (Sapphire Rapids and later) and Linux grants its tile state; refused
-//!   at load elsewhere. Its f32 sums run in another order than `NativeI8`'s (the same exact
-//!   integer block sums), so the two differ in the last bits; Q8_0 matrices (the tied
-//!   embedding / lm_head) run on AMX tiles too.
+//! - `NativeI8`: the file's Q4_1 and Q8_0 blocks regrouped 16 rows at a time
+//!   (`quant/grouped`), each matmul's inputs quantized to 8 bits per 32 values
+//!   (`quant/q8_rows.rs`), as llama.cpp multiplies Q4_1: integer dot products of four values
+//!   for 16 (AVX-512) or 8 (AVX2) weight rows per instruction, AMX tiles where the CPU has
+//!   them; the same bits on every CPU and kernel (each output sums its blocks in one fixed
+//!   order). The activation rounding moves it a little further from f32 than `Native`
+//!   (models/tests/weight_modes.rs prints its KL).
+//! - `NativeAmx`: `NativeI8`, refused at load where the AMX kernels do not run (Sapphire
+//!   Rapids and later, with Linux's grant of the tile state): for a user who wants to know
+//!   that the tiles run.
 //!
 //! Invariant: a `Linear` computes every input row independently of the other rows (padding,
 //! rotation and activation quantization are per row; the Q4_1 kernel sums every output in one
@@ -57,7 +56,9 @@ use candle_core::{Device, Module, Tensor};
 use crate::cpu::Isa;
 use crate::error::ModelError;
 use crate::ops::{rotate_blocks, unrotate_blocks, HADAMARD_BLOCK};
-use crate::quant::{amx_available, AmxQ4_1Matrix, AmxQ8_0Matrix, Q4_1Matrix, Q8Rows, Q8_0Matrix};
+use crate::quant::{
+    amx_available, GroupedQ4_1Matrix, GroupedQ8_0Matrix, Q4_1Matrix, Q8Rows, Q8_0Matrix,
+};
 
 /// How weights are held in memory. See the module docs; `--dtype auto` picks one per CPU and
 /// file with [`WeightMode::auto_for`].
@@ -74,13 +75,12 @@ pub enum WeightMode {
     /// batch 1 (1.1x with candle's kernels), prefill ~660 tok/s (BENCHMARKS.md). Other quantized
     /// types run candle's `QMatMul` as stored.
     Native,
-    /// `Native` with activations quantized to 8 bits per 32 values before each Q4_1 matmul, as
-    /// llama.cpp multiplies Q4_1: integer dot products, ~2x fewer instructions per weight than
-    /// the f32 kernel, so the fastest batch-1 decode on the CPU; a little further from f32 than
-    /// `Native` (module docs). Other matrices as in `Native`.
+    /// The file's Q4_1 and Q8_0 matrices regrouped for integer kernels, activations quantized
+    /// to 8 bits per 32 values before each of their matmuls, as llama.cpp multiplies Q4_1; on
+    /// AMX tiles where the CPU has them (module docs). A little further from f32 than
+    /// `Native`; other matrices as in `Native`.
     NativeI8,
-    /// `NativeI8` with the Q4_1 matmuls on AMX tiles (module docs): batches and prefill chunks
-    /// several times faster than `NativeI8` (BENCHMARKS.md); only on CPUs with AMX-INT8.
+    /// `NativeI8` where AMX-INT8 runs, refused elsewhere (module docs).
     NativeAmx,
     /// Matrices in bf16 in a GPU's memory (the GPU decoder, `--device cuda`); the CPU decoder
     /// refuses it.
@@ -349,10 +349,10 @@ impl HostMatrix {
     /// Builds the forward-pass form of this matrix.
     pub fn into_linear(self, mode: WeightMode) -> Result<Linear, ModelError> {
         let (rows, cols) = (self.rows, self.cols);
-        // `NativeI8` and `NativeAmx` differ from `Native` only in how Q4_1 matrices take their
-        // inputs and which kernel multiplies them
-        let (mode, i8_inputs, amx) = match mode {
-            WeightMode::NativeI8 => (WeightMode::Native, true, false),
+        // `NativeI8` and `NativeAmx` differ from `Native` only in how Q4_1 and Q8_0 matrices
+        // are held (grouped) and take their inputs (8 bits)
+        let (mode, grouped) = match mode {
+            WeightMode::NativeI8 => (WeightMode::Native, true),
             WeightMode::NativeAmx if !amx_available() => {
                 return Err(ModelError::Unsupported(
                     "--dtype native-amx needs a CPU with AMX-INT8 (Intel Sapphire Rapids or \
@@ -361,7 +361,7 @@ impl HostMatrix {
                         .into(),
                 ))
             }
-            WeightMode::NativeAmx => (WeightMode::Native, true, true),
+            WeightMode::NativeAmx => (WeightMode::Native, true),
             WeightMode::Bf16 => {
                 return Err(ModelError::Unsupported(
                     "bf16 weights run on a GPU (--device cuda); on the CPU use f32, q8_0, \
@@ -369,7 +369,7 @@ impl HostMatrix {
                         .into(),
                 ))
             }
-            mode => (mode, false, false),
+            mode => (mode, false),
         };
         let weight = match (mode, self.data) {
             (WeightMode::F32, data) | (WeightMode::Native, data @ MatData::F32(_)) => {
@@ -388,37 +388,27 @@ impl HostMatrix {
                     dtype: GgmlDType::Q4_1,
                     bytes,
                 },
-            ) if amx => Weight::AmxQ4_1(Arc::new(AmxQ4_1Matrix::new(&Q4_1Matrix::new(
-                rows, cols, bytes,
-            )?))),
+            ) if grouped => Weight::GroupedQ4_1(Arc::new(GroupedQ4_1Matrix::new(
+                &Q4_1Matrix::new(rows, cols, bytes)?,
+            ))),
             (
                 WeightMode::Native,
                 MatData::Quant {
                     dtype: GgmlDType::Q4_1,
                     bytes,
                 },
-            ) => Weight::Q4_1 {
-                w: Arc::new(Q4_1Matrix::new(rows, cols, bytes)?),
-                i8_inputs,
-            },
-            // With 8-bit inputs, Q8_0 matrices stay as stored: our integer kernel needs no
-            // padding (and 8-bit inputs per 32 values do not need the rotation's help).
+            ) => Weight::Q4_1(Arc::new(Q4_1Matrix::new(rows, cols, bytes)?)),
+            // With 8-bit inputs, Q8_0 matrices keep the file's blocks: the integer kernels need
+            // no padding (and 8-bit inputs per 32 values do not need the rotation's help).
             (
                 WeightMode::Native,
                 MatData::Quant {
                     dtype: GgmlDType::Q8_0,
                     bytes,
                 },
-            ) if amx => Weight::AmxQ8_0(Arc::new(AmxQ8_0Matrix::new(&Q8_0Matrix::new(
-                rows, cols, bytes,
-            )?))),
-            (
-                WeightMode::Native,
-                MatData::Quant {
-                    dtype: GgmlDType::Q8_0,
-                    bytes,
-                },
-            ) if i8_inputs => Weight::Q8_0(Arc::new(Q8_0Matrix::new(rows, cols, bytes)?)),
+            ) if grouped => Weight::GroupedQ8_0(Arc::new(GroupedQ8_0Matrix::new(
+                &Q8_0Matrix::new(rows, cols, bytes)?,
+            ))),
             // Q8_0 matrices of a native file (SmolLM2's tied embedding / lm_head) take the Q8_0
             // mode's padded, rotated form: as stored (576 wide) candle runs them untiled.
             (WeightMode::Q8_0, data)
@@ -502,15 +492,13 @@ enum Weight {
     /// block-diagonal Hadamard matrix (inputs are rotated likewise before the matmul).
     Quant { q: Arc<QTensor>, rotated: bool },
     /// `[out, in]` Q4_1 as stored, multiplied by our batched kernel ([`Q4_1Matrix`]) with f32
-    /// inputs or, `i8_inputs`, inputs quantized to 8 bits ([`Q8Rows`]).
-    Q4_1 { w: Arc<Q4_1Matrix>, i8_inputs: bool },
-    /// `[out, in]` Q8_0 as stored, multiplied by our integer kernel with inputs quantized to 8
-    /// bits (`NativeI8`, `NativeAmx`).
-    Q8_0(Arc<Q8_0Matrix>),
-    /// Q4_1 regrouped for AMX tiles, inputs quantized to 8 bits (`NativeAmx`).
-    AmxQ4_1(Arc<AmxQ4_1Matrix>),
-    /// Q8_0 regrouped for AMX tiles, inputs quantized to 8 bits (`NativeAmx`).
-    AmxQ8_0(Arc<AmxQ8_0Matrix>),
+    /// inputs (`Native`).
+    Q4_1(Arc<Q4_1Matrix>),
+    /// Q4_1 regrouped 16 rows at a time, inputs quantized to 8 bits ([`Q8Rows`]; `NativeI8`,
+    /// `NativeAmx`).
+    GroupedQ4_1(Arc<GroupedQ4_1Matrix>),
+    /// Q8_0 regrouped likewise (`NativeI8`, `NativeAmx`).
+    GroupedQ8_0(Arc<GroupedQ8_0Matrix>),
 }
 
 /// `y = x Wᵀ` for a weight `W` of `[out_dim, in_dim]`.
@@ -525,11 +513,9 @@ impl Linear {
     /// The width the weight is stored with (`in_dim` or padded).
     fn stored_in_dim(&self) -> usize {
         match &self.weight {
-            Weight::F32(_)
-            | Weight::Q4_1 { .. }
-            | Weight::Q8_0(_)
-            | Weight::AmxQ4_1(_)
-            | Weight::AmxQ8_0(_) => self.in_dim,
+            Weight::F32(_) | Weight::Q4_1(_) | Weight::GroupedQ4_1(_) | Weight::GroupedQ8_0(_) => {
+                self.in_dim
+            }
             Weight::Quant { q, .. } => q.shape().dims()[1],
         }
     }
@@ -539,10 +525,9 @@ impl Linear {
         match &self.weight {
             Weight::F32(t) => t.elem_count() * 4,
             Weight::Quant { q, .. } => q.storage_size_in_bytes(),
-            Weight::Q4_1 { w, .. } => w.size_in_bytes(),
-            Weight::Q8_0(w) => w.size_in_bytes(),
-            Weight::AmxQ4_1(w) => w.size_in_bytes(),
-            Weight::AmxQ8_0(w) => w.size_in_bytes(),
+            Weight::Q4_1(w) => w.size_in_bytes(),
+            Weight::GroupedQ4_1(w) => w.size_in_bytes(),
+            Weight::GroupedQ8_0(w) => w.size_in_bytes(),
         }
     }
 
@@ -552,20 +537,13 @@ impl Linear {
         if m == 0 {
             return Ok(Vec::new());
         }
-        if let Weight::Q4_1 { w, i8_inputs } = &self.weight {
-            return Ok(if *i8_inputs {
-                w.matmul_q8(&Q8Rows::quantize(x, self.in_dim))
-            } else {
-                w.matmul(x, m)
-            });
+        if let Weight::Q4_1(w) = &self.weight {
+            return Ok(w.matmul(x, m));
         }
-        if let Weight::Q8_0(w) = &self.weight {
+        if let Weight::GroupedQ4_1(w) = &self.weight {
             return Ok(w.matmul_q8(&Q8Rows::quantize(x, self.in_dim)));
         }
-        if let Weight::AmxQ4_1(w) = &self.weight {
-            return Ok(w.matmul_q8(&Q8Rows::quantize(x, self.in_dim)));
-        }
-        if let Weight::AmxQ8_0(w) = &self.weight {
+        if let Weight::GroupedQ8_0(w) = &self.weight {
             return Ok(w.matmul_q8(&Q8Rows::quantize(x, self.in_dim)));
         }
         let k = self.stored_in_dim();
@@ -587,7 +565,7 @@ impl Linear {
                 let xt = Tensor::from_vec(input, (m, k), &Device::Cpu)?;
                 QMatMul::QTensor(q.clone()).forward(&xt)?
             }
-            Weight::Q4_1 { .. } | Weight::Q8_0(_) | Weight::AmxQ4_1(_) | Weight::AmxQ8_0(_) => {
+            Weight::Q4_1(_) | Weight::GroupedQ4_1(_) | Weight::GroupedQ8_0(_) => {
                 unreachable!("returned above")
             }
         };
@@ -607,10 +585,9 @@ impl Linear {
         let (rows, rotated) = match &self.weight {
             Weight::F32(w) => (w.index_select(&idx, 0)?, false),
             Weight::Quant { q, rotated } => (q.embedding(&idx)?, *rotated),
-            Weight::Q4_1 { w, .. } => return Ok(w.dequantize_rows(ids)),
-            Weight::Q8_0(w) => return Ok(w.dequantize_rows(ids)),
-            Weight::AmxQ4_1(w) => return Ok(w.dequantize_rows(ids)),
-            Weight::AmxQ8_0(w) => return Ok(w.dequantize_rows(ids)),
+            Weight::Q4_1(w) => return Ok(w.dequantize_rows(ids)),
+            Weight::GroupedQ4_1(w) => return Ok(w.dequantize_rows(ids)),
+            Weight::GroupedQ8_0(w) => return Ok(w.dequantize_rows(ids)),
         };
         let k = self.stored_in_dim();
         let mut v: Vec<f32> = rows.flatten_all()?.to_vec1()?;

@@ -29,13 +29,12 @@ use crate::error::ModelError;
 
 mod amx;
 mod grouped;
-mod int8;
-#[cfg(target_arch = "x86_64")]
-mod int8_forms;
 mod q8_0;
-pub use amx::{amx_available, AmxMatrix, AmxQ4_1Matrix, AmxQ8_0Matrix, TileFormat};
-pub use int8::Q8Rows;
+mod q8_rows;
+pub use amx::amx_available;
+pub use grouped::{GroupedMatrix, GroupedQ4_1Matrix, GroupedQ8_0Matrix, TileFormat};
 pub use q8_0::Q8_0Matrix;
+pub use q8_rows::Q8Rows;
 
 /// Values per block.
 const QK: usize = 32;

@@ -1,7 +1,6 @@
-//! The grouped layout of [`super::amx`] (16 weight rows per group, each block's values four at
-//! a time per row) multiplied without AMX: AVX-512 and AVX2 kernels whose register lanes are
-//! the group's weight rows, so one broadcast of four activation bytes meets 16 (or 8) rows in
-//! one instruction, and portable code.
+//! The grouped layout (module docs of `super`) multiplied without AMX: AVX-512 and AVX2
+//! kernels whose register lanes are the group's weight rows, so one broadcast of four
+//! activation bytes meets 16 (or 8) rows in one instruction, and portable code.
 //!
 //! - AVX-512: a lane per row of the group. Per block, the 256 nibble bytes become 8 registers
 //!   (low nibbles: values `4j..4j+4` of each row in register `j < 4`; high nibbles: `16 + 4j..`
@@ -16,13 +15,22 @@
 //!   16-bit pair sums of a block first: each is at most 2·15·128, eight of them fit 16 bits).
 //! - Invariant: the sums are exact integers and the float operations are the reference's in
 //!   the reference's order, so every variant and form equals
-//!   [`super::AmxMatrix::matmul_reference`] bit for bit, and a row's outputs do not depend on
+//!   [`super::GroupedMatrix::matmul_reference`] bit for bit, and a row's outputs do not depend on
 //!   the other rows of its batch (tested per variant, form and batch shape).
 
-use super::amx::{AmxMatrix, TileFormat, GROUP_ROWS};
-use super::int8::Q8View;
-use super::OutPtr;
+use super::super::q8_rows::Q8View;
+use super::super::OutPtr;
+use super::{GroupedMatrix, TileFormat, GROUP_ROWS};
 use crate::cpu::Isa;
+
+/// How a kernel forms its four-product integer sums: `vpmaddubsw` + `vpmaddwd` (AVX2 and
+/// AVX-512 without VNNI), AVX-VNNI's `vpdpbusd` (VEX), AVX512-VNNI's `vpdpbusd` (EVEX).
+#[cfg(target_arch = "x86_64")]
+const PAIR: u8 = 0;
+#[cfg(target_arch = "x86_64")]
+const VEX: u8 = 1;
+#[cfg(target_arch = "x86_64")]
+const EVEX: u8 = 2;
 
 /// The outputs of groups `range` for all `m` input rows, with the variant for `isa` (portable
 /// code where the CPU has no vector variant).
@@ -32,7 +40,7 @@ use crate::cpu::Isa;
 /// groups' columns while this runs.
 pub(super) unsafe fn groups<F: TileFormat>(
     isa: Isa,
-    w: &AmxMatrix<F>,
+    w: &GroupedMatrix<F>,
     x: Q8View<'_>,
     m: usize,
     range: std::ops::Range<usize>,
@@ -67,7 +75,7 @@ pub(super) unsafe fn groups<F: TileFormat>(
 /// # Safety
 /// As [`groups`].
 unsafe fn portable_group<F: TileFormat>(
-    w: &AmxMatrix<F>,
+    w: &GroupedMatrix<F>,
     x: Q8View<'_>,
     m: usize,
     g: usize,
@@ -84,11 +92,11 @@ unsafe fn portable_group<F: TileFormat>(
 }
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(super) mod x86 {
     use std::arch::x86_64::*;
 
-    use super::super::int8_forms::{EVEX, PAIR, VEX};
-    use super::{AmxMatrix, OutPtr, Q8View, TileFormat, GROUP_ROWS};
+    use super::{GroupedMatrix, OutPtr, Q8View, TileFormat, GROUP_ROWS};
+    use super::{EVEX, PAIR, VEX};
     use crate::quant::QK;
 
     /// Input rows per pass over a group's blocks with 512-bit registers (their accumulators
@@ -104,8 +112,8 @@ mod x86 {
             /// # Safety
             /// The CPU has the enabled features; as [`super::groups`].
             #[target_feature(enable = $features)]
-            pub(super) unsafe fn $name<F: TileFormat>(
-                w: &AmxMatrix<F>,
+            pub(in crate::quant::grouped) unsafe fn $name<F: TileFormat>(
+                w: &GroupedMatrix<F>,
                 x: Q8View<'_>,
                 m: usize,
                 range: std::ops::Range<usize>,
@@ -143,7 +151,7 @@ mod x86 {
 
     #[inline(always)]
     unsafe fn groups_512<F: TileFormat, const DOT: u8>(
-        w: &AmxMatrix<F>,
+        w: &GroupedMatrix<F>,
         x: Q8View<'_>,
         m: usize,
         range: std::ops::Range<usize>,
@@ -169,7 +177,7 @@ mod x86 {
 
     #[inline(always)]
     unsafe fn groups_256<F: TileFormat, const DOT: u8>(
-        w: &AmxMatrix<F>,
+        w: &GroupedMatrix<F>,
         x: Q8View<'_>,
         m: usize,
         range: std::ops::Range<usize>,
@@ -197,7 +205,7 @@ mod x86 {
     /// AVX-512 F/BW/VL/DQ, FMA, F16C (and AVX512-VNNI for `EVEX`); as [`super::groups`].
     #[inline(always)]
     unsafe fn pass_512<F: TileFormat, const DOT: u8, const NT: usize>(
-        w: &AmxMatrix<F>,
+        w: &GroupedMatrix<F>,
         g: usize,
         x: Q8View<'_>,
         t0: usize,
@@ -293,7 +301,7 @@ mod x86 {
     /// AVX2, FMA, F16C (and AVX-VNNI for `VEX`); as [`super::groups`].
     #[inline(always)]
     unsafe fn pass_256<F: TileFormat, const DOT: u8, const NT: usize>(
-        w: &AmxMatrix<F>,
+        w: &GroupedMatrix<F>,
         g: usize,
         half: usize,
         x: Q8View<'_>,
@@ -378,125 +386,6 @@ mod x86 {
                     *out.0.add((t0 + t) * n + r0 + i) = v;
                 }
             }
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::super::amx::tests::{random_inputs, random_q4_1};
-    use super::super::{AmxQ4_1Matrix, AmxQ8_0Matrix, Q8Rows, Q8_0Matrix, QK};
-    use super::*;
-
-    /// One way to run [`groups`], as the tests call each.
-    type Form<F> = unsafe fn(&AmxMatrix<F>, Q8View<'_>, usize, std::ops::Range<usize>, &OutPtr);
-
-    /// Every form this CPU runs, by name, and the portable code.
-    fn forms<F: TileFormat>() -> Vec<(&'static str, Form<F>)> {
-        let mut forms: Vec<(&'static str, Form<F>)> = vec![("portable", |w, x, m, range, out| {
-            // SAFETY: the portable variant runs on any CPU.
-            unsafe { groups(Isa::Portable, w, x, m, range, out) }
-        })];
-        #[cfg(target_arch = "x86_64")]
-        {
-            let avx2 = Isa::Avx2.supported();
-            let avx512 = Isa::Avx512.supported();
-            let candidates: [(&'static str, bool, Form<F>); 4] = [
-                ("avx2 pair", avx2, x86::avx2_pair::<F>),
-                (
-                    "avx2 avx-vnni",
-                    avx2 && is_x86_feature_detected!("avxvnni"),
-                    x86::avx2_vnni::<F>,
-                ),
-                ("avx512 pair", avx512, x86::avx512_pair::<F>),
-                (
-                    "avx512 vnni",
-                    avx512 && is_x86_feature_detected!("avx512vnni"),
-                    x86::avx512_vnni::<F>,
-                ),
-            ];
-            forms.extend(
-                candidates
-                    .into_iter()
-                    .filter(|c| c.1)
-                    .map(|(name, _, f)| (name, f)),
-            );
-        }
-        forms
-    }
-
-    /// Each form against the reference, bit for bit, at batch sizes that make every pass
-    /// shape; row 0 alone against row 0 in each batch.
-    fn check<F: TileFormat>(w: &AmxMatrix<F>, all: &[f32], what: &str) -> usize {
-        let cols = w.cols();
-        let groups = w.rows().div_ceil(GROUP_ROWS);
-        let run = |form: Form<F>, x: &Q8Rows| {
-            let mut y = vec![f32::NAN; x.len() * w.rows()];
-            let out = OutPtr(y.as_mut_ptr());
-            // SAFETY: `forms` lists only forms this CPU runs; `y` holds m rows of n.
-            unsafe { form(w, x.view(), x.len(), 0..groups, &out) };
-            y
-        };
-        let forms = forms::<F>();
-        for (name, form) in &forms {
-            for m in [1, 3, 4, 5, 8, 9, 16, 17, 40] {
-                let x = Q8Rows::quantize(&all[..m * cols], cols);
-                let got = run(*form, &x);
-                let want = w.matmul_reference(&x);
-                let bad = got
-                    .iter()
-                    .zip(&want)
-                    .position(|(a, b)| a.to_bits() != b.to_bits());
-                assert_eq!(bad, None, "{what}, {name}, batch {m}: first difference");
-                let alone = run(*form, &Q8Rows::quantize(&all[..cols], cols));
-                assert_eq!(
-                    alone[..],
-                    got[..w.rows()],
-                    "{what}, {name}: row 0 alone, batch {m}"
-                );
-            }
-        }
-        forms.len()
-    }
-
-    #[test]
-    fn every_form_equals_the_reference_bit_for_bit_q4_1() {
-        // 40 and 24 rows end in a part group (and a part half group)
-        for (rows, cols) in [(40, 96), (24, 64), (64, 576), (48, 1536)] {
-            let w = AmxQ4_1Matrix::new(&random_q4_1(rows, cols, rows as u64));
-            let all = random_inputs(40, cols, cols as u64);
-            let ran = check(&w, &all, &format!("Q4_1 [{rows}, {cols}]"));
-            assert!(ran >= 1);
-        }
-    }
-
-    #[test]
-    fn every_form_equals_the_reference_bit_for_bit_q8_0() {
-        for (rows, cols) in [(40, 96), (48, 576)] {
-            let mut bytes = Vec::new();
-            for i in 0..rows * cols / QK {
-                bytes.extend(half::f16::from_f32(0.003 + (i % 13) as f32 * 1e-3).to_le_bytes());
-                // every byte value, -128 included
-                bytes.extend((0..QK).map(|j| ((i * 131 + j * 17) % 256) as u8));
-            }
-            let w = AmxQ8_0Matrix::new(&Q8_0Matrix::new(rows, cols, bytes).unwrap());
-            let ran = check(
-                &w,
-                &random_inputs(40, cols, 7),
-                &format!("Q8_0 [{rows}, {cols}]"),
-            );
-            assert!(ran >= 1);
-        }
-    }
-
-    #[test]
-    fn the_matmul_picks_a_kernel_that_equals_the_reference() {
-        let w = AmxQ4_1Matrix::new(&random_q4_1(40, 96, 3));
-        let x = Q8Rows::quantize(&random_inputs(5, 96, 4), 96);
-        let want = w.matmul_reference(&x);
-        assert_eq!(w.matmul_q8(&x), want);
-        for isa in Isa::runnable() {
-            assert_eq!(w.matmul_q8_with(isa, false, &x), want, "{}", isa.name());
         }
     }
 }

@@ -102,25 +102,15 @@ impl WeightMode {
     }
     /// The mode `--dtype auto` runs on this CPU for a model whose layer matrices are all Q4_1
     /// (`layers_q4_1`) or not:
-    /// - `NativeAmx` for Q4_1 matrices where the AMX kernels run ([`amx_available`]): on a
-    ///   Sapphire Rapids Xeon 1.3–1.5x `Q8_0`'s prefill, 1.04–1.18x its batch-1 decode and 1.3x
-    ///   its batch-16 decode (BENCHMARKS.md);
-    /// - else `Q8_0` where candle's tiled Q8_0 kernels run: AVX512-VNNI, in the AVX-512 variant that
-    ///   [`Isa::active`] picks, with VNNI allowed (`TANDEM_CPU_VNNI`). Without those tiles every
-    ///   row runs candle's untiled dot product, which does not batch;
-    /// - else `NativeI8` for Q4_1 matrices on AVX2 or better: our integer kernel (on an
-    ///   AVX2-only Zen 1 2.0x q8_0's batch-1 decode and 3.6x its prefill, BENCHMARKS.md);
+    /// - `NativeI8` for Q4_1 matrices on AVX2 or better (AMX tiles inside it where the CPU has
+    ///   them): on a Xeon with AVX512-VNNI 1.2–1.3x `Q8_0`'s prefill, 1.6–2.0x its batch-1
+    ///   decode and 1.3x its batch-16 decode; on an AVX2-only CPU `Q8_0` runs candle's untiled
+    ///   kernel, a third as fast (BENCHMARKS.md);
     /// - else `Q8_0` (other files, and the portable variant, were not measured against it).
     ///
-    /// `TANDEM_CPU_ISA=avx2` (or `TANDEM_CPU_VNNI=0`) on an AVX512-VNNI machine therefore makes
-    /// `auto` choose what an AVX2-only CPU gets.
+    /// `TANDEM_CPU_ISA=portable` therefore makes `auto` choose `Q8_0`.
     pub fn auto_for(layers_q4_1: bool) -> WeightMode {
-        let isa = Isa::active();
-        if layers_q4_1 && amx_available() {
-            WeightMode::NativeAmx
-        } else if isa == Isa::Avx512 && crate::cpu::vnni_for(isa) == crate::cpu::Vnni::Evex {
-            WeightMode::Q8_0
-        } else if layers_q4_1 && isa >= Isa::Avx2 {
+        if layers_q4_1 && Isa::active() >= Isa::Avx2 {
             WeightMode::NativeI8
         } else {
             WeightMode::Q8_0
@@ -608,29 +598,18 @@ mod tests {
     use super::*;
 
     #[test]
-    fn auto_picks_amx_then_candle_tiles_then_native_i8_for_q4_1_files() {
-        use crate::cpu::{on_this_thread, vnni_for, Vnni};
+    fn auto_picks_native_i8_for_q4_1_files_on_avx2_and_better() {
+        use crate::cpu::on_this_thread;
         for isa in Isa::runnable() {
-            let (q4_1, other, amx) = on_this_thread(isa, || {
-                (
-                    WeightMode::auto_for(true),
-                    WeightMode::auto_for(false),
-                    amx_available(),
-                )
+            let (q4_1, other) = on_this_thread(isa, || {
+                (WeightMode::auto_for(true), WeightMode::auto_for(false))
             });
             assert_eq!(other, WeightMode::Q8_0, "{isa:?}: a file other than Q4_1");
-            let tiles = isa == Isa::Avx512 && vnni_for(isa) == Vnni::Evex;
-            assert!(
-                !amx || isa == Isa::Avx512,
-                "AMX kernels in the {isa:?} variant"
-            );
             let want = match isa {
-                _ if amx => WeightMode::NativeAmx,
                 Isa::Portable => WeightMode::Q8_0,
-                _ if tiles => WeightMode::Q8_0,
                 _ => WeightMode::NativeI8,
             };
-            assert_eq!(q4_1, want, "{isa:?} (candle's VNNI tiles: {tiles})");
+            assert_eq!(q4_1, want, "{isa:?}");
         }
     }
 

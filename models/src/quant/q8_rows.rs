@@ -11,6 +11,7 @@
 //! of its batch.
 
 use super::QK;
+use crate::cpu::isa_variants;
 
 /// `m` rows of `k` values quantized to 8 bits per block of 32 (module docs).
 #[derive(Debug, Clone)]
@@ -33,14 +34,10 @@ impl Q8Rows {
         let mut rows = Q8Rows {
             k,
             qs: vec![0; x.len()],
-            d: Vec::with_capacity(blocks),
-            s: Vec::with_capacity(blocks),
+            d: vec![0.0; blocks],
+            s: vec![0.0; blocks],
         };
-        for (xb, qb) in x.chunks_exact(QK).zip(rows.qs.chunks_exact_mut(QK)) {
-            let (d, s) = quantize_block(xb, qb);
-            rows.d.push(d);
-            rows.s.push(s);
-        }
+        quantize_blocks(x, &mut rows.qs, &mut rows.d, &mut rows.s);
         rows
     }
 
@@ -63,23 +60,40 @@ impl Q8Rows {
     }
 }
 
-/// One block: `q = round_ties_even(x / d)` with `d = max|x| / 127` (0 for a zero block), and
-/// `(d, d · Σq)`.
-fn quantize_block(x: &[f32], q: &mut [i8]) -> (f32, f32) {
-    let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
-    let d = amax / 127.0;
-    let id = if d > 0.0 { 1.0 / d } else { 0.0 };
-    // Adding and subtracting 1.5 · 2^23 rounds |v| <= 2^22 to an integer, ties to even: the
-    // sum lies in [2^23, 2^24), where f32 steps are 1. Equal to `round_ties_even` (tested), and
-    // two adds where the plain x86-64 target calls libm's `rintf`.
-    const ROUND: f32 = 12_582_912.0;
-    let mut sum = 0i32;
-    for (qi, &xi) in q.iter_mut().zip(x) {
-        // |xi · id| <= 127 up to rounding; the cast saturates
-        *qi = ((xi * id + ROUND) - ROUND) as i8;
-        sum += i32::from(*qi);
+isa_variants! {
+    /// Every block of `x`: `q = round_ties_even(x / d)` with `d = max|x| / 127` (0 for a zero
+    /// block; NaNs count as 0 in the maximum and quantize to 0), and `s = d · Σq`. Written
+    /// without float compares or saturating casts so the compiler vectorizes it in each
+    /// variant.
+    fn quantize_blocks(x: &[f32], qs: &mut [i8], d: &mut [f32], s: &mut [f32]) {
+        // Adding 1.5 · 2^23 to |v| <= 2^22 rounds it to an integer, ties to even (the sum lies
+        // in [2^23, 2^24), where f32 steps are 1), and the integer is the sum's bits
+        // minus the constant's: equal to `round_ties_even` (tested). A NaN's bits give 0.
+        const ROUND: f32 = 12_582_912.0;
+        const ROUND_BITS: i32 = 0x4B40_0000;
+        for (((xb, qb), d), s) in x
+            .chunks_exact(QK)
+            .zip(qs.chunks_exact_mut(QK))
+            .zip(d.iter_mut())
+            .zip(s.iter_mut())
+        {
+            // |x| as bits orders as |x| does; NaNs (above infinity's bits) count as 0
+            let amax_bits = xb.iter().fold(0u32, |a, v| {
+                let b = v.to_bits() & 0x7FFF_FFFF;
+                a.max(if b > 0x7F80_0000 { 0 } else { b })
+            });
+            let dq = f32::from_bits(amax_bits) / 127.0;
+            let id = if dq > 0.0 { 1.0 / dq } else { 0.0 };
+            let mut sum = 0i32;
+            for (qi, &xi) in qb.iter_mut().zip(xb) {
+                // |xi · id| <= 127 up to rounding
+                *qi = ((xi * id + ROUND).to_bits() as i32 - ROUND_BITS) as i8;
+                sum += i32::from(*qi);
+            }
+            *d = dq;
+            *s = dq * sum as f32;
+        }
     }
-    (d, d * sum as f32)
 }
 
 /// Rows of a [`Q8Rows`] as a tile kernel reads them.
@@ -93,6 +107,33 @@ pub(super) struct Q8View<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_variant_rounds_ties_to_even_and_zeroes_nans() {
+        use crate::cpu::{on_this_thread, Isa};
+        // d = 127 / 127 = 1: the values are their own steps, ties included
+        let mut x = vec![0f32; 64];
+        x[0] = 127.0;
+        for (i, v) in [0.5f32, 1.5, 2.5, -0.5, -2.5, 126.5, -3.49, 3.51].iter().enumerate() {
+            x[1 + i] = *v;
+        }
+        x[32] = f32::NAN;
+        x[33] = -2.0;
+        x[34] = 0.75;
+        for isa in Isa::runnable() {
+            let q = on_this_thread(isa, || Q8Rows::quantize(&x, 64));
+            assert_eq!(
+                q.qs[..9],
+                [127, 0, 2, 2, 0, -2, 126, -3, 4],
+                "{isa:?}: ties to even"
+            );
+            assert_eq!(q.d[0], 1.0, "{isa:?}");
+            // the NaN neither sets the scale nor leaves a value
+            assert_eq!(q.d[1], 2.0 / 127.0, "{isa:?}");
+            assert_eq!(q.qs[32..35], [0, -127, 48], "{isa:?}");
+            assert_eq!(q.s[1], q.d[1] * (-127 + 48) as f32, "{isa:?}");
+        }
+    }
 
     #[test]
     #[allow(clippy::needless_range_loop)]

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # CPU forward side by side with llama.cpp, in one run: Tandem's `bench_model` example on the
 # default model's Q4_1 GGUF (`native` / `native-i8`: our Q4_1 kernel with f32 / 8-bit inputs in
-# each instruction-set variant this CPU runs, and native-i8 without VNNI where the CPU has it;
-# `native-amx`: the same 8-bit inputs on AMX tiles, where the CPU has AMX-INT8;
-# `q8_0`: the default weight mode) and llama.cpp through llama-cpp-python on the same file,
+# each instruction-set variant this CPU runs, and native-i8 without VNNI where the CPU has it (what an
+# AVX2-only CPU runs);
+# `native-amx`: native-i8, which runs AMX tiles where the CPU has AMX-INT8;
+# `q8_0`: re-quantized for candle's Q8_0 kernels) and llama.cpp through llama-cpp-python on the same file,
 # prompt (200 tokens) and decode steps, 2 threads each, ROUNDS rounds interleaved (the machine is
 # noisy: compare within a round).
 #
@@ -41,6 +42,8 @@ if have("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"):
         v += ["native-i8@avx512-novnni"]
 if have("avx2", "fma", "f16c"):
     v += ["native@avx2", "native-i8@avx2"]
+    if have("avx_vnni") or have("avx512_vnni"):
+        v += ["native-i8@avx2-novnni"]
 print(",".join(v + ["q8_0"]))
 PY
 )

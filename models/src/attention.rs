@@ -15,7 +15,7 @@
 //!   (`16c..16c + 16`), not blocks: the block size never changes a bit of the output, so a P/D
 //!   consumer whose blocks differ from its producer's answers as a single instance does. f32
 //!   caches are read in place; f16/bf16 caches are decoded 16 rows of one head at a time into a
-//!   small scratch.
+//!   small scratch, by the variant's vector code (F16C's conversion, bf16's shift).
 //! - Work is split into (sequence, tile of queries) tasks, all heads inside (or, when there are
 //!   fewer than two tasks per thread, as in a batch-1 decode, a range of KV heads each), run in
 //!   parallel on candle's thread pool (the one its matmuls use: a second pool on the same cores only adds
@@ -233,6 +233,30 @@ trait Scores {
     fn accumulate(acc: &mut [f32], w: &[f32], vb: &[f32], stride: usize) {
         accumulate_values::<false>(acc, w, vb, stride)
     }
+
+    /// One cache row of `dt` as f32: the values [`CacheDtype::decode`] gives (a NaN may keep
+    /// another payload).
+    ///
+    /// # Safety
+    /// The CPU runs the implementation's instruction set.
+    #[inline(always)]
+    unsafe fn decode(dt: CacheDtype, src: &[u8], dst: &mut [f32]) {
+        decode_row(dt, src, dst)
+    }
+}
+
+/// [`Scores::decode`] in plain Rust: bf16 is the top half of an f32 (a shift, which the
+/// compiler vectorizes); f16 through `half`.
+#[inline(always)]
+fn decode_row(dt: CacheDtype, src: &[u8], dst: &mut [f32]) {
+    match dt {
+        CacheDtype::Bf16 => {
+            for (d, s) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                *d = f32::from_bits(u32::from(u16::from_le_bytes([s[0], s[1]])) << 16);
+            }
+        }
+        dt => dt.decode(src, dst),
+    }
 }
 
 /// One portable dot per key (the portable and AVX2 variants).
@@ -297,6 +321,15 @@ impl Scores for Avx512Scores {
     }
 
     #[inline(always)]
+    unsafe fn decode(dt: CacheDtype, src: &[u8], dst: &mut [f32]) {
+        match dt {
+            // SAFETY: the AVX-512 variant's CPU has F16C (the caller's contract).
+            CacheDtype::F16 => unsafe { simd::f16_row(src, dst) },
+            dt => decode_row(dt, src, dst),
+        }
+    }
+
+    #[inline(always)]
     unsafe fn scores(q: &[f32], kb: &[f32], stride: usize, nt: usize, sc: &mut [f32]) {
         // SAFETY: the CPU has AVX-512F (the caller's contract).
         unsafe {
@@ -317,6 +350,15 @@ impl Scores for Avx2Scores {
     #[inline(always)]
     fn accumulate(acc: &mut [f32], w: &[f32], vb: &[f32], stride: usize) {
         accumulate_values::<true>(acc, w, vb, stride)
+    }
+
+    #[inline(always)]
+    unsafe fn decode(dt: CacheDtype, src: &[u8], dst: &mut [f32]) {
+        match dt {
+            // SAFETY: the AVX2 variant's CPU has F16C (the caller's contract).
+            CacheDtype::F16 => unsafe { simd::f16_row(src, dst) },
+            dt => decode_row(dt, src, dst),
+        }
     }
 
     #[inline(always)]
@@ -375,6 +417,27 @@ mod simd {
         }
     }
 
+    /// An f16 cache row as f32, 8 values per F16C conversion (exact, as `half`'s is).
+    ///
+    /// # Safety
+    /// The CPU has F16C and AVX.
+    #[inline(always)]
+    pub(super) unsafe fn f16_row(src: &[u8], dst: &mut [f32]) {
+        assert_eq!(src.len(), 2 * dst.len());
+        let n = dst.len();
+        let mut i = 0;
+        // SAFETY: 8 f16 at byte 2i and 8 f32 at i, with i + 8 <= n: inside both slices (the
+        // assert above); the CPU has F16C (the caller's contract).
+        unsafe {
+            while i + 8 <= n {
+                let h = _mm_loadu_si128(src.as_ptr().add(2 * i).cast());
+                _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
+                i += 8;
+            }
+        }
+        tandem_kv_cache::CacheDtype::F16.decode(&src[2 * i..], &mut dst[i..]);
+    }
+
     /// `out[t] = q · k_t` for `nt <= 8` keys `k_t = kb[t * stride..][..q.len()]`, with
     /// `q.len()` a multiple of 8: one 8-lane FMA chain per key, then the 8 partial sums reduced
     /// together by horizontal adds (every key's lanes summed by the same tree, whatever its slot).
@@ -425,6 +488,43 @@ mod simd {
 
     #[cfg(test)]
     mod tests {
+        #[test]
+        fn f16_rows_decode_as_the_cache_does() {
+            if !crate::cpu::Isa::Avx2.supported() {
+                return;
+            }
+            // every 16-bit pattern once: normals, subnormals, zeros, infinities, NaNs
+            let src: Vec<u8> = (0..=u16::MAX).flat_map(|h| h.to_le_bytes()).collect();
+            for len in [65536, 37, 8, 7, 0] {
+                let mut got = vec![0f32; len];
+                let mut want = vec![0f32; len];
+                // SAFETY: the CPU has AVX2 and F16C (checked above).
+                unsafe { super::f16_row(&src[..2 * len], &mut got) };
+                tandem_kv_cache::CacheDtype::F16.decode(&src[..2 * len], &mut want);
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    assert!(
+                        g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()),
+                        "f16 {i:#06x}: {g} vs {w}"
+                    );
+                }
+            }
+        }
+
+        #[test]
+        fn bf16_rows_decode_as_the_cache_does() {
+            let src: Vec<u8> = (0..=u16::MAX).flat_map(|h| h.to_le_bytes()).collect();
+            let mut got = vec![0f32; 65536];
+            let mut want = vec![0f32; 65536];
+            super::super::decode_row(tandem_kv_cache::CacheDtype::Bf16, &src, &mut got);
+            tandem_kv_cache::CacheDtype::Bf16.decode(&src, &mut want);
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert!(
+                    g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()),
+                    "bf16 {i:#06x}: {g} vs {w}"
+                );
+            }
+        }
+
         #[test]
         fn scores8_equals_dots_and_ignores_its_slot() {
             if !crate::cpu::Isa::Avx2.supported() {
@@ -627,8 +727,11 @@ unsafe fn attend_tile<S: Scores>(
                         for j in s0..s1 {
                             let (kr, vr) = view.rows(block, j - b * bs, g);
                             let o = (j - j0) * hd;
-                            dt.decode(kr, &mut k_scratch[o..o + hd]);
-                            dt.decode(vr, &mut v_scratch[o..o + hd]);
+                            // SAFETY: the caller's contract.
+                            unsafe {
+                                S::decode(dt, kr, &mut k_scratch[o..o + hd]);
+                                S::decode(dt, vr, &mut v_scratch[o..o + hd]);
+                            }
                         }
                     }
                 }

@@ -114,7 +114,10 @@ mod tests {
         // d = 127 / 127 = 1: the values are their own steps, ties included
         let mut x = vec![0f32; 64];
         x[0] = 127.0;
-        for (i, v) in [0.5f32, 1.5, 2.5, -0.5, -2.5, 126.5, -3.49, 3.51].iter().enumerate() {
+        for (i, v) in [0.5f32, 1.5, 2.5, -0.5, -2.5, 126.5, -3.49, 3.51]
+            .iter()
+            .enumerate()
+        {
             x[1 + i] = *v;
         }
         x[32] = f32::NAN;

@@ -11,7 +11,7 @@
 # llama-cpp-python is built from its PyPI source once (5–15 min on 2 cores) into
 # .tools/llama-cpp-native-noamx, with GGML_NATIVE=ON (llama.cpp's best for this CPU that runs:
 # AMX off, see below).
-# Usage: scripts/bench_cpu.sh [ROUNDS] [STEPS]
+# Usage: scripts/bench_cpu.sh [ROUNDS] [STEPS]   (BENCH_PROMPT_LEN=512 for a 512-token prompt)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=${1:-3}

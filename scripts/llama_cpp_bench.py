@@ -1,17 +1,19 @@
 #!/usr/bin/env python3
 """llama.cpp (through llama-cpp-python) on the same GGUF, prompt and step counts as Tandem's
-`bench_model` example: prefill tok/s of one 200-token prompt (best of 3), then decode tok/s at
-batch 1 over STEPS greedy steps. Prints one Markdown row in bench_model's column order.
+`bench_model` example: prefill tok/s of one 200-token prompt (BENCH_PROMPT_LEN tokens where set;
+best of 3), then decode tok/s at batch 1 over STEPS greedy steps. Prints one Markdown row in
+bench_model's column order.
 
 Usage: llama_cpp_bench.py GGUF [STEPS] [THREADS]
 """
+import os
 import sys
 import time
 
 import llama_cpp
 import numpy as np
 
-PROMPT_LEN = 200
+PROMPT_LEN = int(os.environ.get("BENCH_PROMPT_LEN", "200"))
 
 
 def prompt(i, n):

@@ -20,7 +20,12 @@ use tandem_kv_cache::{CacheDtype, KvCacheConfig, KvStorage};
 use tandem_models::cpu::{set_vnni_allowed, Isa};
 use tandem_models::{load_model, CausalLm, ForwardBatch, LoadOptions, SeqBatch, WeightMode};
 
-const PROMPT_LEN: usize = 200;
+/// Prompt tokens of every sequence: `BENCH_PROMPT_LEN`, else 200.
+fn prompt_len() -> usize {
+    std::env::var("BENCH_PROMPT_LEN")
+        .ok()
+        .map_or(200, |s| s.parse().expect("BENCH_PROMPT_LEN: a token count"))
+}
 const BATCH: usize = 16;
 const BLOCK: usize = 16;
 
@@ -123,8 +128,9 @@ fn main() {
         .get(3)
         .map_or(CacheDtype::F32, |s| CacheDtype::parse(s).expect("kv dtype"));
     let bw = memcpy_bandwidth();
+    let prompt_tokens = prompt_len();
     println!(
-        "memcpy bandwidth {:.2} GB/s; {} threads, prompt {PROMPT_LEN} tokens, {steps} decode steps, {kv_dtype} KV cache",
+        "memcpy bandwidth {:.2} GB/s; {} threads, prompt {prompt_tokens} tokens, {steps} decode steps, {kv_dtype} KV cache",
         bw / 1e9,
         rayon::current_num_threads()
     );
@@ -147,7 +153,7 @@ fn main() {
         .expect("load");
         let load_s = t.elapsed().as_secs_f64();
         let model = m.model();
-        let per_seq_blocks = (PROMPT_LEN + steps + 1).div_ceil(BLOCK);
+        let per_seq_blocks = (prompt_tokens + steps + 1).div_ceil(BLOCK);
         let kv = KvStorage::new(&KvCacheConfig {
             num_blocks: per_seq_blocks * (BATCH + 1),
             groups: model.kv_cache_groups(BLOCK, kv_dtype),
@@ -158,7 +164,7 @@ fn main() {
             let blocks = (next_block..next_block + per_seq_blocks as u32).collect();
             next_block += per_seq_blocks as u32;
             Seq {
-                tokens: prompt(i, PROMPT_LEN),
+                tokens: prompt(i, prompt_tokens),
                 blocks,
                 cached: 0,
             }
@@ -174,7 +180,7 @@ fn main() {
         let mut solo = Vec::new();
         for r in 0..3 {
             let mut s = [Seq {
-                tokens: prompt(0, PROMPT_LEN),
+                tokens: prompt(0, prompt_tokens),
                 blocks: (0..per_seq_blocks as u32).collect(),
                 cached: 0,
             }];
@@ -207,7 +213,7 @@ fn main() {
             "| {mode}@{}{vnni_tag} | {load_s:.2} | {:.0} | {:.0} | {d1:.1} | {d16:.1} | {:.1}x | {step_ms:.2} | {weights_ms:.2} | {:.2} |",
             isa.name(),
             m.info.weight_bytes as f64 / (1 << 20) as f64,
-            PROMPT_LEN as f64 / prefill,
+            prompt_tokens as f64 / prefill,
             d16 / d1,
             step_ms / weights_ms
         );

@@ -1,7 +1,8 @@
 //! A Q4_1 matrix held as the file stores it, and its batched matmul `y = x Wᵀ` with f32 inputs
-//! (here) or inputs quantized to 8 bits ([`int8`]: integer dot products, `--dtype native-i8`).
-//! Both run the same tiling, threading and per-ISA dispatch ([`Q4_1Matrix::run`] over a
-//! [`KernelSet`]); only the tile kernels differ.
+//! (`--dtype native`: here, tiled, threaded and dispatched per instruction set by `run` over a
+//! [`KernelSet`]). With inputs quantized to 8 bits ([`q8_rows`]), the file's Q4_1 and Q8_0
+//! matrices are regrouped and multiplied by integer kernels instead ([`grouped`], on AMX tiles
+//! in [`amx`]: `--dtype native-i8`).
 //!
 //! - Layout (ggml's `block_q4_1`, 20 bytes per 32 values): f16 scale `d`, f16 minimum `m`, then
 //!   16 bytes whose low nibbles are values 0..16 and high nibbles values 16..32 of the block;
@@ -266,8 +267,7 @@ trait TileKernel<X> {
     );
 }
 
-/// Input rows as a tile kernel reads them: f32 rows (`&[f32]`) or rows quantized to 8 bits
-/// ([`int8::Q8View`]). Copied into every work item.
+/// Input rows as a tile kernel reads them (f32 rows, `&[f32]`). Copied into every work item.
 trait TileInput: Copy + Send + Sync {
     /// Rows `r0..r0 + mt` of rows `k` values long.
     fn rows(self, r0: usize, mt: usize, k: usize) -> Self;

@@ -249,34 +249,37 @@ impl<F: TileFormat> GroupedMatrix<F> {
         y
     }
 
-    /// Output `y[t][r]` by the arithmetic of the module docs in plain Rust.
-    pub(super) fn reference_output(&self, xv: Q8View<'_>, t: usize, r: usize) -> f32 {
+    /// Outputs `y[t][r]` of weight row `r` for the `m` input rows, by the arithmetic of the
+    /// module docs in plain Rust (each row's block decoded once for all inputs).
+    pub(super) fn reference_column(&self, xv: Q8View<'_>, m: usize, r: usize) -> Vec<f32> {
         let nb = self.blocks();
         let (g, lr) = (r / GROUP_ROWS, r % GROUP_ROWS);
-        let mut acc = 0f32;
+        let mut acc = vec![0f32; m];
         for b in 0..nb {
             let (dw, mw, qw) = Self::row_of(self.group_block(g, b), lr);
-            let qa = &xv.qs[t * self.cols + b * QK..][..QK];
-            let s: i32 = qw.iter().zip(qa).map(|(&w, &a)| w * i32::from(a)).sum();
-            let (da, sa) = (xv.d[t * nb + b], xv.s[t * nb + b]);
-            acc = (s as f32).mul_add(dw * da, acc);
-            if F::MINIMUMS {
-                acc = mw.mul_add(sa, acc);
+            for (t, a) in acc.iter_mut().enumerate() {
+                let qa = &xv.qs[t * self.cols + b * QK..][..QK];
+                let s: i32 = qw.iter().zip(qa).map(|(&w, &a)| w * i32::from(a)).sum();
+                let (da, sa) = (xv.d[t * nb + b], xv.s[t * nb + b]);
+                *a = (s as f32).mul_add(dw * da, *a);
+                if F::MINIMUMS {
+                    *a = mw.mul_add(sa, *a);
+                }
             }
         }
         acc
     }
 
-    /// The arithmetic of the module docs in plain Rust, one output at a time: what
-    /// [`Self::matmul_q8`] computes, bit for bit, on any CPU.
+    /// The arithmetic of the module docs in plain Rust, one weight row at a time on one
+    /// thread: what [`Self::matmul_q8`] computes, bit for bit, on any CPU.
     pub fn matmul_reference(&self, x: &Q8Rows) -> Vec<f32> {
         assert_eq!(x.k, self.cols, "grouped matmul input width");
         let (m, n) = (x.len(), self.rows);
         let xv = x.view();
         let mut y = vec![0f32; m * n];
-        for t in 0..m {
-            for r in 0..n {
-                y[t * n + r] = self.reference_output(xv, t, r);
+        for r in 0..n {
+            for (t, v) in self.reference_column(xv, m, r).into_iter().enumerate() {
+                y[t * n + r] = v;
             }
         }
         y

@@ -83,8 +83,7 @@ unsafe fn portable_group<F: TileFormat>(
 ) {
     let n = w.rows();
     for r in g * GROUP_ROWS..((g + 1) * GROUP_ROWS).min(n) {
-        for t in 0..m {
-            let y = w.reference_output(x, t, r);
+        for (t, y) in w.reference_column(x, m, r).into_iter().enumerate() {
             // SAFETY: row t < m, column r of this group: inside `out`, ours alone.
             unsafe { *out.0.add(t * n + r) = y };
         }

@@ -322,11 +322,8 @@ impl Scores for Avx512Scores {
 
     #[inline(always)]
     unsafe fn decode(dt: CacheDtype, src: &[u8], dst: &mut [f32]) {
-        match dt {
-            // SAFETY: the AVX-512 variant's CPU has F16C (the caller's contract).
-            CacheDtype::F16 => unsafe { simd::f16_row(src, dst) },
-            dt => decode_row(dt, src, dst),
-        }
+        // SAFETY: the variant's CPU has F16C (the caller's contract).
+        unsafe { simd::decode_row_f16c(dt, src, dst) }
     }
 
     #[inline(always)]
@@ -354,11 +351,8 @@ impl Scores for Avx2Scores {
 
     #[inline(always)]
     unsafe fn decode(dt: CacheDtype, src: &[u8], dst: &mut [f32]) {
-        match dt {
-            // SAFETY: the AVX2 variant's CPU has F16C (the caller's contract).
-            CacheDtype::F16 => unsafe { simd::f16_row(src, dst) },
-            dt => decode_row(dt, src, dst),
-        }
+        // SAFETY: the variant's CPU has F16C (the caller's contract).
+        unsafe { simd::decode_row_f16c(dt, src, dst) }
     }
 
     #[inline(always)]
@@ -414,6 +408,23 @@ mod simd {
             }
             // the 16 partial sums reduced together (15 adds instead of 16 horizontal sums)
             super::super::ops::simd::reduce16(&v, out);
+        }
+    }
+
+    /// [`super::decode_row`] with f16 rows converted by F16C ([`f16_row`]).
+    ///
+    /// # Safety
+    /// The CPU has F16C and AVX.
+    #[inline(always)]
+    pub(super) unsafe fn decode_row_f16c(
+        dt: tandem_kv_cache::CacheDtype,
+        src: &[u8],
+        dst: &mut [f32],
+    ) {
+        match dt {
+            // SAFETY: the caller's contract.
+            tandem_kv_cache::CacheDtype::F16 => unsafe { f16_row(src, dst) },
+            dt => super::decode_row(dt, src, dst),
         }
     }
 

@@ -74,28 +74,16 @@ fn detect() -> bool {
     false
 }
 
-/// Groups `range` of `w` on AMX tiles, all `m` input rows.
-///
-/// # Safety
-/// [`amx_available`]; `out` holds `m * w.rows()` f32 of which nobody else touches these
-/// groups' columns while this runs.
+/// Groups `range` of a grouped matrix on AMX tiles, all `m` input rows (`kernel::groups`).
 #[cfg(target_arch = "x86_64")]
-pub(super) unsafe fn amx_groups<F: TileFormat>(
-    w: &GroupedMatrix<F>,
-    x: Q8View<'_>,
-    m: usize,
-    range: std::ops::Range<usize>,
-    out: &OutPtr,
-) {
-    // SAFETY: the caller's contract.
-    unsafe { kernel::groups(w, x, m, range, out) }
-}
+pub(super) use kernel::groups as amx_groups;
 
 #[cfg(target_arch = "x86_64")]
 mod kernel {
     use std::arch::asm;
     use std::arch::x86_64::*;
 
+    use super::super::grouped::simd::x86::{advance_512, scales_512, store_group_512};
     use super::super::grouped::{B_TILE_BYTES, GROUP_ROWS};
     use super::super::QK;
     use super::{GroupedMatrix, OutPtr, Q8View, TileFormat, TILE_INPUTS};
@@ -141,7 +129,7 @@ mod kernel {
     /// AMX is available and granted; `out` holds `m * w.rows` f32 of which nobody else touches
     /// these groups' columns while this runs.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-    pub(super) unsafe fn groups<F: TileFormat>(
+    pub(in crate::quant) unsafe fn groups<F: TileFormat>(
         w: &GroupedMatrix<F>,
         x: Q8View<'_>,
         m: usize,
@@ -247,47 +235,26 @@ mod kernel {
                     options(nostack),
                 );
             }
-            // SAFETY: 16 f16 scales at 0 and (with minimums) 16 f16 minimums at 32 of the
-            // group block.
-            let (dw, mw) = unsafe {
-                (
-                    _mm512_cvtph_ps(_mm256_loadu_si256(gb.as_ptr().cast())),
-                    if F::MINIMUMS {
-                        _mm512_cvtph_ps(_mm256_loadu_si256(gb.as_ptr().add(32).cast()))
-                    } else {
-                        _mm512_setzero_ps()
-                    },
-                )
-            };
+            // SAFETY: the features enabled here; `gb` is a group block.
+            let scales = unsafe { scales_512::<F>(gb) };
             for (t, a) in acc.iter_mut().enumerate() {
                 let at = (t0 + t) * nb + b;
-                // SAFETY: row t of `sums` is 16 aligned i32.
-                let s = _mm512_cvtepi32_ps(unsafe { _mm512_load_si512(sums.0[t].as_ptr().cast()) });
-                let p = _mm512_mul_ps(dw, _mm512_set1_ps(x.d[at]));
-                *a = _mm512_fmadd_ps(s, p, *a);
-                if F::MINIMUMS {
-                    *a = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.s[at]), *a);
+                // SAFETY: row t of `sums` is 16 aligned i32; the features enabled here.
+                unsafe {
+                    let s = _mm512_load_si512(sums.0[t].as_ptr().cast());
+                    advance_512::<F>(a, s, scales, x.d[at], x.s[at]);
                 }
             }
         }
-        let r0 = g * GROUP_ROWS;
-        let valid = (n - r0).min(GROUP_ROWS);
-        let mask: __mmask16 = if valid == GROUP_ROWS {
-            !0
-        } else {
-            (1 << valid) - 1
-        };
-        for (t, a) in acc.iter().enumerate() {
-            // SAFETY: row t0 + t < m, columns r0..r0 + valid < n: this group's, inside `out`.
-            unsafe { _mm512_mask_storeu_ps(out.0.add((t0 + t) * n + r0), mask, *a) };
-        }
+        // SAFETY: rows t0..t0 + NT < m and this group's columns (the caller's contract).
+        unsafe { store_group_512(out, n, g, t0, &acc) };
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::super::grouped::tests::{random_inputs, random_q4_1};
-    use super::super::{GroupedQ4_1Matrix, GroupedQ8_0Matrix, Q8Rows, Q8_0Matrix, QK};
+    use super::super::grouped::tests::{every_byte_q8_0, random_inputs, random_q4_1};
+    use super::super::{GroupedQ4_1Matrix, Q8Rows};
     use super::*;
 
     /// The AMX kernel against the reference for every batch size that makes a new tile shape,
@@ -319,12 +286,7 @@ mod tests {
             return;
         }
         for (rows, cols) in [(40, 96), (48, 576)] {
-            let mut bytes = Vec::new();
-            for i in 0..rows * cols / QK {
-                bytes.extend(half::f16::from_f32(0.003 + (i % 13) as f32 * 1e-3).to_le_bytes());
-                bytes.extend((0..QK).map(|j| ((i * 131 + j * 17) % 256) as u8));
-            }
-            let w = GroupedQ8_0Matrix::new(&Q8_0Matrix::new(rows, cols, bytes).unwrap());
+            let w = every_byte_q8_0(rows, cols);
             check_amx(
                 &w,
                 &random_inputs(40, cols, 7),

@@ -27,9 +27,11 @@
 //! of them equal [`GroupedMatrix::matmul_reference`] bit for bit, on every CPU, and a row's
 //! outputs do not depend on the other rows of its batch (tested per kernel and batch shape).
 
-mod simd;
+pub(super) mod simd;
 
-use super::amx::{amx_available, amx_groups};
+use super::amx::amx_available;
+#[cfg(target_arch = "x86_64")]
+use super::amx::amx_groups;
 use super::q8_rows::Q8View;
 use super::{OutPtr, Q4_1Matrix, Q8_0Matrix, BLOCK_BYTES, QK};
 use crate::cpu::Isa;
@@ -326,6 +328,16 @@ pub(super) mod tests {
             .collect()
     }
 
+    /// A Q8_0 matrix whose bytes take every value, -128 included (scales 0.003 to 0.015).
+    pub(in crate::quant) fn every_byte_q8_0(rows: usize, cols: usize) -> GroupedQ8_0Matrix {
+        let mut bytes = Vec::new();
+        for i in 0..rows * cols / QK {
+            bytes.extend(half::f16::from_f32(0.003 + (i % 13) as f32 * 1e-3).to_le_bytes());
+            bytes.extend((0..QK).map(|j| ((i * 131 + j * 17) % 256) as u8));
+        }
+        GroupedQ8_0Matrix::new(&Q8_0Matrix::new(rows, cols, bytes).unwrap())
+    }
+
     #[test]
     fn the_reference_is_the_q4_1_product_of_the_quantized_inputs() {
         // Against the file's dequantized weights times the dequantized 8-bit inputs in f64.
@@ -477,13 +489,7 @@ pub(super) mod tests {
     #[test]
     fn every_form_equals_the_reference_bit_for_bit_q8_0() {
         for (rows, cols) in [(40, 96), (48, 576)] {
-            let mut bytes = Vec::new();
-            for i in 0..rows * cols / QK {
-                bytes.extend(half::f16::from_f32(0.003 + (i % 13) as f32 * 1e-3).to_le_bytes());
-                // every byte value, -128 included
-                bytes.extend((0..QK).map(|j| ((i * 131 + j * 17) % 256) as u8));
-            }
-            let w = GroupedQ8_0Matrix::new(&Q8_0Matrix::new(rows, cols, bytes).unwrap());
+            let w = every_byte_q8_0(rows, cols);
             let ran = check(
                 &w,
                 &random_inputs(40, cols, 7),

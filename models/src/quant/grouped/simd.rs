@@ -91,7 +91,7 @@ unsafe fn portable_group<F: TileFormat>(
 }
 
 #[cfg(target_arch = "x86_64")]
-pub(super) mod x86 {
+pub(in crate::quant) mod x86 {
     use std::arch::x86_64::*;
 
     use super::{GroupedMatrix, OutPtr, Q8View, TileFormat, GROUP_ROWS};
@@ -103,6 +103,76 @@ pub(super) mod x86 {
     const PASS_512: usize = 8;
     /// The same with 256-bit registers (16 of them).
     const PASS_256: usize = 4;
+
+    /// A group block's 16 f16 scales `dw` and (0 without) minimums `mw`, as f32 lanes.
+    ///
+    /// # Safety
+    /// AVX-512F and F16C; `gb` is a group block.
+    #[inline(always)]
+    pub(in crate::quant) unsafe fn scales_512<F: TileFormat>(gb: &[u8]) -> (__m512, __m512) {
+        assert!(gb.len() >= 64);
+        // SAFETY: 32 bytes at 0 and at 32 of the block (asserted); the caller's features.
+        unsafe {
+            (
+                _mm512_cvtph_ps(_mm256_loadu_si256(gb.as_ptr().cast())),
+                if F::MINIMUMS {
+                    _mm512_cvtph_ps(_mm256_loadu_si256(gb.as_ptr().add(32).cast()))
+                } else {
+                    _mm512_setzero_ps()
+                },
+            )
+        }
+    }
+
+    /// One block's step of 16 output chains (module docs of `super::super`):
+    /// `acc = fma(s, dw·da, acc)`, then `acc = fma(mw, sa, acc)` with minimums.
+    ///
+    /// # Safety
+    /// AVX-512F and FMA.
+    #[inline(always)]
+    pub(in crate::quant) unsafe fn advance_512<F: TileFormat>(
+        acc: &mut __m512,
+        s: __m512i,
+        (dw, mw): (__m512, __m512),
+        da: f32,
+        sa: f32,
+    ) {
+        // SAFETY: register arithmetic only; the caller's features.
+        unsafe {
+            let p = _mm512_mul_ps(dw, _mm512_set1_ps(da));
+            *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), p, *acc);
+            if F::MINIMUMS {
+                *acc = _mm512_fmadd_ps(mw, _mm512_set1_ps(sa), *acc);
+            }
+        }
+    }
+
+    /// Stores the chains of input rows `t0..` for group `g`'s columns (the rows it has).
+    ///
+    /// # Safety
+    /// AVX-512F; rows `t0..t0 + acc.len()` of `out` (rows of `n`) are inside it, and this
+    /// group's columns are the caller's alone.
+    #[inline(always)]
+    pub(in crate::quant) unsafe fn store_group_512(
+        out: &OutPtr,
+        n: usize,
+        g: usize,
+        t0: usize,
+        acc: &[__m512],
+    ) {
+        let r0 = g * GROUP_ROWS;
+        let valid = (n - r0).min(GROUP_ROWS);
+        let mask: __mmask16 = if valid == GROUP_ROWS {
+            !0
+        } else {
+            (1 << valid) - 1
+        };
+        for (t, a) in acc.iter().enumerate() {
+            // SAFETY: row t0 + t, columns r0..r0 + valid < n: this group's (the caller's
+            // contract).
+            unsafe { _mm512_mask_storeu_ps(out.0.add((t0 + t) * n + r0), mask, *a) };
+        }
+    }
 
     macro_rules! entry {
         ($name:ident, $features:literal, $body:ident, $dot:expr) => {
@@ -222,32 +292,23 @@ pub(super) mod x86 {
                 let gb = w.group_block(g, b);
                 let mut wv = [zero; 8];
                 let mut negative = [0 as __mmask64; 8];
-                // SAFETY: a group block holds 32 f16 scales (and 32 bytes of minimums) and the
-                // weights at `WEIGHTS_AT`: 256 nibble bytes or 512 signed bytes.
-                let (dw, mw) = {
-                    let wp = gb.as_ptr().add(F::WEIGHTS_AT);
-                    if F::NIBBLES {
-                        for c in 0..4 {
-                            let v = _mm512_loadu_si512(wp.add(64 * c).cast());
-                            wv[c] = _mm512_and_si512(v, low);
-                            wv[4 + c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-                        }
-                    } else {
-                        for (j, (v, neg)) in wv.iter_mut().zip(&mut negative).enumerate() {
-                            let s = _mm512_loadu_si512(wp.add(64 * j).cast());
-                            *neg = _mm512_movepi8_mask(s);
-                            *v = _mm512_abs_epi8(s);
-                        }
+                // SAFETY: a group block holds the weights at `WEIGHTS_AT`: 256 nibble bytes or
+                // 512 signed bytes.
+                let wp = gb.as_ptr().add(F::WEIGHTS_AT);
+                if F::NIBBLES {
+                    for c in 0..4 {
+                        let v = _mm512_loadu_si512(wp.add(64 * c).cast());
+                        wv[c] = _mm512_and_si512(v, low);
+                        wv[4 + c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
                     }
-                    (
-                        _mm512_cvtph_ps(_mm256_loadu_si256(gb.as_ptr().cast())),
-                        if F::MINIMUMS {
-                            _mm512_cvtph_ps(_mm256_loadu_si256(gb.as_ptr().add(32).cast()))
-                        } else {
-                            _mm512_setzero_ps()
-                        },
-                    )
-                };
+                } else {
+                    for (j, (v, neg)) in wv.iter_mut().zip(&mut negative).enumerate() {
+                        let s = _mm512_loadu_si512(wp.add(64 * j).cast());
+                        *neg = _mm512_movepi8_mask(s);
+                        *v = _mm512_abs_epi8(s);
+                    }
+                }
+                let scales = scales_512::<F>(gb);
                 for (t, a) in acc.iter_mut().enumerate() {
                     let row = t0 + t;
                     let at = row * nb + b;
@@ -272,24 +333,11 @@ pub(super) mod x86 {
                     if DOT != EVEX && F::NIBBLES {
                         s = _mm512_madd_epi16(s, ones);
                     }
-                    let p = _mm512_mul_ps(dw, _mm512_set1_ps(x.d[at]));
-                    *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), p, *a);
-                    if F::MINIMUMS {
-                        *a = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.s[at]), *a);
-                    }
+                    advance_512::<F>(a, s, scales, x.d[at], x.s[at]);
                 }
             }
-            let r0 = g * GROUP_ROWS;
-            let valid = (n - r0).min(GROUP_ROWS);
-            let mask: __mmask16 = if valid == GROUP_ROWS {
-                !0
-            } else {
-                (1 << valid) - 1
-            };
-            for (t, a) in acc.iter().enumerate() {
-                // SAFETY: row t0 + t < m, columns r0..r0 + valid < n: this group's, inside `out`.
-                _mm512_mask_storeu_ps(out.0.add((t0 + t) * n + r0), mask, *a);
-            }
+            // rows t0..t0 + NT < m: inside `out`
+            store_group_512(out, n, g, t0, &acc);
         }
     }
 

@@ -17,7 +17,7 @@ if ! ls .tools/wheels/nixl_cu13-1.5.1-*.whl >/dev/null 2>&1; then
     python3 -m pip download --quiet --no-deps -d .tools/wheels nixl-cu13==1.5.1
 fi
 cargo build --release -p tandem-kernels --features cuda --bins
-cargo build --release -p tandem-server --features cuda --bin tandem
+cargo build --release -p tandem-server --features cuda --bin tandem --bin tandem-gpu-nixl-probe
 mkdir -p out/gpu
 stage_test() { # package feature-crate test-name
     local exe
@@ -35,6 +35,7 @@ stage_test tandem-kernels cuda_checksum
 stage_test tandem-kernels cuda_decoder
 stage_test tandem-models cuda_models
 strip -o out/gpu/tandem target/release/tandem
+strip -o out/gpu/tandem-gpu-nixl-probe target/release/tandem-gpu-nixl-probe
 strip -o out/gpu/tandem-gpu-bench target/release/tandem-gpu-bench
 strip -o out/gpu/tandem-gpu-model-bench target/release/tandem-gpu-model-bench
 if [[ "${1:-}" == "--model" ]]; then

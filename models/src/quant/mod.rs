@@ -33,7 +33,7 @@ mod grouped;
 mod q8_0;
 mod q8_rows;
 pub use amx::amx_available;
-pub use grouped::{GroupedMatrix, GroupedQ4_1Matrix, GroupedQ8_0Matrix, TileFormat};
+pub use grouped::{GroupedMatrix, GroupedQ4_1Matrix, GroupedQ8_0Matrix, TileFormat, AMX_MIN_ROWS};
 pub use q8_0::Q8_0Matrix;
 pub use q8_rows::Q8Rows;
 

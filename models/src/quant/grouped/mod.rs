@@ -40,6 +40,12 @@ use crate::quant::Q8Rows;
 /// Weight rows per group: 16 lanes of an AVX-512 register, the 16 columns of a `tdpbssd`
 /// result.
 pub(super) const GROUP_ROWS: usize = 16;
+
+/// Fewest input rows for which [`GroupedMatrix::matmul_q8`] takes AMX tiles: a tile holds 16
+/// rows, and below that the vector kernels win. Measured on an AMX CPU (2 cores, SmolLM2's MLP
+/// shapes, `cargo bench -p tandem-models --bench q4_1`): at 1 row AMX took 1.8-2x the VNNI
+/// kernel's time, at 16 they tie (up 0.84x, down 1.13x), at 128 AMX is 7-19% faster.
+pub const AMX_MIN_ROWS: usize = 32;
 /// Bytes of a block's unpacked weights for 16 rows: 8 chunks of 64 bytes (4 consecutive values
 /// of 16 rows each), an AMX B tile.
 pub(super) const B_TILE_BYTES: usize = 512;
@@ -207,11 +213,13 @@ impl<F: TileFormat> GroupedMatrix<F> {
         out
     }
 
-    /// `y = x Wᵀ` with the fastest kernel this process runs: AMX tiles where
-    /// [`amx_available`], else the vector kernels of [`Isa::active`] (`super::grouped`); the
-    /// same bits either way.
+    /// `y = x Wᵀ` with the fastest kernel this process runs for `x`'s row count: AMX tiles
+    /// where [`amx_available`] and there are at least [`AMX_MIN_ROWS`] rows, else the vector
+    /// kernels of [`Isa::active`] (`super::grouped`); the same bits either way, so a row's
+    /// result never depends on which one its batch got.
     pub fn matmul_q8(&self, x: &Q8Rows) -> Vec<f32> {
-        self.matmul_q8_with(Isa::active(), amx_available(), x)
+        let amx = x.len() >= AMX_MIN_ROWS && amx_available();
+        self.matmul_q8_with(Isa::active(), amx, x)
     }
 
     /// `y = x Wᵀ` on AMX tiles (`amx`) or with the vector kernels of `isa`. Panics where the

@@ -4,22 +4,13 @@
 # kernel. Needs the CUDA build staged by scripts/gpu_build.sh (out/gpu/tandem), the model
 # (out/gpu-model/{a,b}, see gpu_build.sh --model) and NIXL for CUDA 13: the nixl-cu13 wheel in
 # .tools/wheels (scripts/gpu_build.sh downloads it; the cu12 wheel's UCX CUDA transports do
-# not load against CUDA 13), unpacked here into out/nixl-cu13.
+# not load against CUDA 13), unpacked into out/nixl-cu13 by scripts/gpu_nixl_env.sh.
 # Usage: scripts/gpu_pd_check.sh [extra gpu_pd_check.py flags, e.g. --modes pull]
 set -euo pipefail
-root=$(cd "$(dirname "$0")/.." && pwd)
-cd "$root"
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-if [[ ! -f out/nixl-cu13/.nixl_cu13.mesonpy.libs/libnixl_capi.so ]]; then
-    wheel=$(ls .tools/wheels/nixl_cu13-*.whl | head -1)
-    mkdir -p out/nixl-cu13
-    python3 -m zipfile -e "$wheel" out/nixl-cu13
-fi
-export TANDEM_NIXL_LIB_DIR=$root/out/nixl-cu13/.nixl_cu13.mesonpy.libs
+source "$(dirname "$0")/gpu_nixl_env.sh"
 if [[ -f out/gpu-model/a && -f out/gpu-model/b && ! -f out/gpu-model/models/SmolLM2-135M-Instruct.Q4_1.gguf ]]; then
     mkdir -p out/gpu-model/models
     cat out/gpu-model/a out/gpu-model/b > out/gpu-model/models/SmolLM2-135M-Instruct.Q4_1.gguf
 fi
 export TANDEM_MODEL_DIR=${TANDEM_MODEL_DIR:-$root/out/gpu-model/models}
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 exec python3 scripts/gpu_pd_check.py --bin out/gpu/tandem "$@"

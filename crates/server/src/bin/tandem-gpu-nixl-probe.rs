@@ -76,17 +76,16 @@ fn producer_main() -> Res<()> {
     Ok(())
 }
 
-/// `k` runs of the transfer's blocks: (remote ids, local ids) each, a block apart on both sides
-/// so that no two runs merge.
-fn runs(k: usize) -> Vec<(Vec<usize>, Vec<usize>)> {
+/// `k` runs of the transfer's block ids, a block apart so that no two runs merge; each id names
+/// the same block on both sides.
+fn runs(k: usize) -> Vec<Vec<usize>> {
     let per = XFER_BLOCKS.div_ceil(k);
     let mut out = Vec::new();
     let mut start = 0;
     let mut left = XFER_BLOCKS;
     while left > 0 {
         let n = per.min(left);
-        let ids: Vec<usize> = (start..start + n).collect();
-        out.push((ids.clone(), ids));
+        out.push((start..start + n).collect());
         start += n + 1;
         left -= n;
     }
@@ -180,24 +179,20 @@ fn main() -> Res<()> {
             ("in turn", 8),
         ] {
             let r = runs(k);
-            let all: (Vec<usize>, Vec<usize>) = r.iter().fold((vec![], vec![]), |mut acc, x| {
-                acc.0.extend(&x.0);
-                acc.1.extend(&x.1);
-                acc
-            });
+            let all = r.concat();
             let (mut times, mut posts) = (Vec::new(), Vec::new());
             for i in 0..rounds + 1 {
                 let t = Instant::now();
                 // (descriptors, READs, seconds spent creating and posting)
                 let (regions, reads, post) = match how {
                     "one READ" => {
-                        let s = a.read_blocks(&peer, &all.1, &all.0, None)?.wait(wait)?;
+                        let s = a.read_blocks(&peer, &all, &all, None)?.wait(wait)?;
                         (s.descriptors, 1, s.post_duration.as_secs_f64())
                     }
                     "together" => {
                         let hs = r
                             .iter()
-                            .map(|(rem, loc)| a.read_blocks(&peer, loc, rem, None))
+                            .map(|ids| a.read_blocks(&peer, ids, ids, None))
                             .collect::<Result<Vec<_>, _>>()?;
                         let (mut d, mut p) = (0, 0.0);
                         for h in hs {
@@ -209,8 +204,8 @@ fn main() -> Res<()> {
                     }
                     _ => {
                         let (mut d, mut p) = (0, 0.0);
-                        for (rem, loc) in &r {
-                            let s = a.read_blocks(&peer, loc, rem, None)?.wait(wait)?;
+                        for ids in &r {
+                            let s = a.read_blocks(&peer, ids, ids, None)?.wait(wait)?;
                             d += s.descriptors;
                             p += s.post_duration.as_secs_f64();
                         }

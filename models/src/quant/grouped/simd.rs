@@ -288,6 +288,13 @@ pub(in crate::quant) mod x86 {
             let ones = _mm512_set1_epi16(1);
             let zero = _mm512_setzero_si512();
             let mut acc = [_mm512_setzero_ps(); NT];
+            // the pass's activation rows, checked once here rather than per block and row
+            let rows = |per_row: usize| t0 * per_row..(t0 + NT) * per_row;
+            let (qs, xd, xs) = (
+                x.qs[rows(k)].as_ptr(),
+                x.d[rows(nb)].as_ptr(),
+                x.s[rows(nb)].as_ptr(),
+            );
             for b in 0..nb {
                 let gb = w.group_block(g, b);
                 let mut wv = [zero; 8];
@@ -310,9 +317,12 @@ pub(in crate::quant) mod x86 {
                 }
                 let scales = scales_512::<F>(gb);
                 for (t, a) in acc.iter_mut().enumerate() {
-                    let row = t0 + t;
-                    let at = row * nb + b;
-                    let xq = x.qs[row * k + b * QK..][..QK].as_ptr().cast::<i32>();
+                    // SAFETY: row t < NT of the pass, block b < nb: inside the slices above.
+                    let (xq, xd, xs) = (
+                        qs.add(t * k + b * QK).cast::<i32>(),
+                        *xd.add(t * nb + b),
+                        *xs.add(t * nb + b),
+                    );
                     let mut s = zero;
                     for j in 0..8 {
                         // SAFETY: dword j of the block's 32 activation bytes.
@@ -333,7 +343,7 @@ pub(in crate::quant) mod x86 {
                     if DOT != EVEX && F::NIBBLES {
                         s = _mm512_madd_epi16(s, ones);
                     }
-                    advance_512::<F>(a, s, scales, x.d[at], x.s[at]);
+                    advance_512::<F>(a, s, scales, xd, xs);
                 }
             }
             // rows t0..t0 + NT < m: inside `out`
@@ -363,6 +373,13 @@ pub(in crate::quant) mod x86 {
             let ones = _mm256_set1_epi16(1);
             let zero = _mm256_setzero_si256();
             let mut acc = [_mm256_setzero_ps(); NT];
+            // the pass's activation rows, checked once here rather than per block and row
+            let rows = |per_row: usize| t0 * per_row..(t0 + NT) * per_row;
+            let (qs, xd, xs) = (
+                x.qs[rows(k)].as_ptr(),
+                x.d[rows(nb)].as_ptr(),
+                x.s[rows(nb)].as_ptr(),
+            );
             for b in 0..nb {
                 let gb = w.group_block(g, b);
                 let mut wv = [zero; 8];
@@ -393,9 +410,12 @@ pub(in crate::quant) mod x86 {
                     )
                 };
                 for (t, a) in acc.iter_mut().enumerate() {
-                    let row = t0 + t;
-                    let at = row * nb + b;
-                    let xq = x.qs[row * k + b * QK..][..QK].as_ptr().cast::<i32>();
+                    // SAFETY: row t < NT of the pass, block b < nb: inside the slices above.
+                    let (xq, xd, xs) = (
+                        qs.add(t * k + b * QK).cast::<i32>(),
+                        *xd.add(t * nb + b),
+                        *xs.add(t * nb + b),
+                    );
                     let mut s = zero;
                     for j in 0..8 {
                         // SAFETY: dword j of the block's 32 activation bytes.
@@ -415,10 +435,10 @@ pub(in crate::quant) mod x86 {
                     if DOT != VEX && F::NIBBLES {
                         s = _mm256_madd_epi16(s, ones);
                     }
-                    let p = _mm256_mul_ps(dw, _mm256_set1_ps(x.d[at]));
+                    let p = _mm256_mul_ps(dw, _mm256_set1_ps(xd));
                     *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), p, *a);
                     if F::MINIMUMS {
-                        *a = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.s[at]), *a);
+                        *a = _mm256_fmadd_ps(mw, _mm256_set1_ps(xs), *a);
                     }
                 }
             }

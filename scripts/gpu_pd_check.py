@@ -399,8 +399,9 @@ def main():
             check(metric(m, "tandem:kv_load_failures_total") == 0, f"{mode}: no load failed")
             steps = metric(m, "tandem:kv_checksum_compute_seconds_count")
             waits = metric(m, "tandem:kv_checksum_load_wait_seconds_count")
-            print(f"{mode}: consumer checksum steps {steps:.0f} for {waits:.0f} loads (more steps "
-                  "than loads: chunks checksummed while the rest moved)")
+            overlap = (" (more steps than loads: chunks checksummed while the rest moved)"
+                       if steps > waits else " (one step a load: no load was split into chunks)")
+            print(f"{mode}: consumer checksum steps {steps:.0f} for {waits:.0f} loads{overlap}")
             # The side that posts the transfers counts them: the consumer in pull, the producer
             # in push.
             mover = m if mode == "pull" else get("http://127.0.0.1:8100/metrics")

@@ -290,7 +290,7 @@ pub(in crate::quant) mod x86 {
             let mut acc = [_mm512_setzero_ps(); NT];
             // the pass's activation rows, checked once here rather than per block and row
             let rows = |per_row: usize| t0 * per_row..(t0 + NT) * per_row;
-            let (qs, xd, xs) = (
+            let (qs_rows, d_rows, s_rows) = (
                 x.qs[rows(k)].as_ptr(),
                 x.d[rows(nb)].as_ptr(),
                 x.s[rows(nb)].as_ptr(),
@@ -319,9 +319,9 @@ pub(in crate::quant) mod x86 {
                 for (t, a) in acc.iter_mut().enumerate() {
                     // SAFETY: row t < NT of the pass, block b < nb: inside the slices above.
                     let (xq, xd, xs) = (
-                        qs.add(t * k + b * QK).cast::<i32>(),
-                        *xd.add(t * nb + b),
-                        *xs.add(t * nb + b),
+                        qs_rows.add(t * k + b * QK).cast::<i32>(),
+                        *d_rows.add(t * nb + b),
+                        *s_rows.add(t * nb + b),
                     );
                     let mut s = zero;
                     for j in 0..8 {
@@ -375,7 +375,7 @@ pub(in crate::quant) mod x86 {
             let mut acc = [_mm256_setzero_ps(); NT];
             // the pass's activation rows, checked once here rather than per block and row
             let rows = |per_row: usize| t0 * per_row..(t0 + NT) * per_row;
-            let (qs, xd, xs) = (
+            let (qs_rows, d_rows, s_rows) = (
                 x.qs[rows(k)].as_ptr(),
                 x.d[rows(nb)].as_ptr(),
                 x.s[rows(nb)].as_ptr(),
@@ -412,9 +412,9 @@ pub(in crate::quant) mod x86 {
                 for (t, a) in acc.iter_mut().enumerate() {
                     // SAFETY: row t < NT of the pass, block b < nb: inside the slices above.
                     let (xq, xd, xs) = (
-                        qs.add(t * k + b * QK).cast::<i32>(),
-                        *xd.add(t * nb + b),
-                        *xs.add(t * nb + b),
+                        qs_rows.add(t * k + b * QK).cast::<i32>(),
+                        *d_rows.add(t * nb + b),
+                        *s_rows.add(t * nb + b),
                     );
                     let mut s = zero;
                     for j in 0..8 {

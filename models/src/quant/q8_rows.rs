@@ -104,6 +104,26 @@ pub(super) struct Q8View<'a> {
     pub(super) s: &'a [f32],
 }
 
+impl Q8View<'_> {
+    /// Where rows `rows` start: their quantized values (`k` a row) and their blocks' scales and
+    /// sums (`nb` a row), bounds-checked once here so that a kernel's inner loop walks them by
+    /// offset.
+    #[cfg(target_arch = "x86_64")]
+    pub(super) fn row_ptrs(
+        &self,
+        rows: std::ops::Range<usize>,
+        k: usize,
+        nb: usize,
+    ) -> (*const i8, *const f32, *const f32) {
+        let span = |per_row: usize| rows.start * per_row..rows.end * per_row;
+        (
+            self.qs[span(k)].as_ptr(),
+            self.d[span(nb)].as_ptr(),
+            self.s[span(nb)].as_ptr(),
+        )
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -289,12 +289,7 @@ pub(in crate::quant) mod x86 {
             let zero = _mm512_setzero_si512();
             let mut acc = [_mm512_setzero_ps(); NT];
             // the pass's activation rows, checked once here rather than per block and row
-            let rows = |per_row: usize| t0 * per_row..(t0 + NT) * per_row;
-            let (qs_rows, d_rows, s_rows) = (
-                x.qs[rows(k)].as_ptr(),
-                x.d[rows(nb)].as_ptr(),
-                x.s[rows(nb)].as_ptr(),
-            );
+            let (qs_rows, d_rows, s_rows) = x.row_ptrs(t0..t0 + NT, k, nb);
             for b in 0..nb {
                 let gb = w.group_block(g, b);
                 let mut wv = [zero; 8];
@@ -374,12 +369,7 @@ pub(in crate::quant) mod x86 {
             let zero = _mm256_setzero_si256();
             let mut acc = [_mm256_setzero_ps(); NT];
             // the pass's activation rows, checked once here rather than per block and row
-            let rows = |per_row: usize| t0 * per_row..(t0 + NT) * per_row;
-            let (qs_rows, d_rows, s_rows) = (
-                x.qs[rows(k)].as_ptr(),
-                x.d[rows(nb)].as_ptr(),
-                x.s[rows(nb)].as_ptr(),
-            );
+            let (qs_rows, d_rows, s_rows) = x.row_ptrs(t0..t0 + NT, k, nb);
             for b in 0..nb {
                 let gb = w.group_block(g, b);
                 let mut wv = [zero; 8];

@@ -4,18 +4,22 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
+# Each phase prints the minutes:seconds since the start, so a slow run shows where it went.
+phase() { printf "== [%d:%02d] %s\n" $((SECONDS / 60)) $((SECONDS % 60)) "$1"; }
+phase "setup"
 ./scripts/setup.sh
-echo "== cargo fmt --check"
+phase "cargo fmt --check"
 cargo fmt --all -- --check
-echo "== cargo clippy --all-targets -D warnings"
+phase "cargo clippy --all-targets -D warnings"
 cargo clippy --workspace --all-targets --locked -- -D warnings
-echo "== the cuda feature builds and lints (nvcc 13.0 from PyPI; no GPU needed to build)"
+phase "the cuda feature builds and lints (nvcc 13.0 from PyPI; no GPU needed to build)"
 cuda_root=$(./scripts/cuda_toolchain.sh)
 CUDA_ROOT=$cuda_root cargo clippy -p tandem-kernels -p tandem-models -p tandem-server \
     --features tandem-kernels/cuda,tandem-models/cuda,tandem-server/cuda --all-targets --locked \
     -- -D warnings
-echo "== the cuda feature's host-side unit tests (no GPU: batch translation, model refusals)"
+phase "the cuda feature's host-side unit tests (no GPU: batch translation, model refusals)"
 CUDA_ROOT=$cuda_root cargo test -p tandem-models --features cuda --lib --locked cuda::
 CUDA_ROOT=$cuda_root cargo test -p tandem-kernels --features cuda --lib --locked
-echo "== cargo test"
+phase "cargo test"
 cargo test --workspace --locked -- --test-threads 2
+phase "done"

@@ -1,5 +1,6 @@
-//! The crate's one error type.
+//! The crate's one error type (its driver variant only with the `cuda` feature).
 
+#[cfg(feature = "cuda")]
 use cudarc::driver::DriverError;
 use tandem_kv_checksum::KvChecksumError;
 
@@ -12,6 +13,7 @@ pub enum KernelError {
     #[error("no CUDA device {ordinal} (the driver sees {count})")]
     NoDevice { ordinal: usize, count: i32 },
     /// A CUDA driver call failed.
+    #[cfg(feature = "cuda")]
     #[error("CUDA driver: {0}")]
     Driver(#[from] DriverError),
     /// A checksum job does not fit the device memory or the kernel's limits.
@@ -28,6 +30,7 @@ pub enum KernelError {
     Cache(String),
 }
 
+#[cfg(feature = "cuda")]
 impl KernelError {
     pub(crate) fn blas(e: cudarc::cublas::result::CublasError) -> Self {
         KernelError::Blas(format!("{e:?}"))

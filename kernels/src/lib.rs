@@ -1,6 +1,7 @@
 //! Tandem's GPU side: CUDA kernels (in `cuda/*.cu`, compiled to PTX by `build.rs`) and the host
 //! code that launches them through cudarc, built only with the `cuda` feature. The CPU build
-//! compiles nothing here.
+//! compiles only the host-side step checks ([`step`]) and the error type, so their tests run
+//! everywhere.
 //!
 //! - [`cuda::Device`]: one GPU, opened with a clear error where there is no driver or device.
 //! - [`cuda::DeviceKvCache`]: a paged KV cache in device memory, per-layer arrays or block-major
@@ -10,7 +11,7 @@
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
-#[cfg(feature = "cuda")]
 mod error;
-#[cfg(feature = "cuda")]
+pub mod step;
+
 pub use error::KernelError;

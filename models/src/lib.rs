@@ -12,6 +12,7 @@
 //! - [`weights`]: weight modes and matrices ([`WeightMode`]); `q4_1`: our batched Q4_1 matmul.
 //! - [`gguf`], `hf`: file formats; `dummy`: random weights of a config's shapes.
 //! - [`tokenizer`], [`chat_template`]: text in and out.
+//! - [`gpu_batch`]: the models and batches the GPU decoder takes (host side; `cuda`: the decoder).
 //!
 //! Invariant across the crate: the model never owns KV state; everything a sequence has seen
 //! lives in the engine's cache, addressed by block tables, so a step's result for one sequence
@@ -27,6 +28,7 @@ mod dummy;
 pub mod error;
 pub mod gemma3;
 pub mod gguf;
+pub mod gpu_batch;
 mod hf;
 pub mod llama;
 pub mod loader;

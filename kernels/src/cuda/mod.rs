@@ -14,15 +14,13 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, CudaModule, CudaSlice, CudaStream, DevicePtr};
 use cudarc::nvrtc::Ptx;
 
+pub use crate::step::{bf16_bits, bf16_to_f32, DecoderShape, OwnedStep, StepInput, MAX_GROUP};
 pub use blas::{Blas, Output};
 pub use checksum::{
     CudaBackend, CudaChecksums, DeviceChecksums, PendingChecksums, MAX_BLOCKS_PER_LAUNCH,
 };
 pub use cudarc::driver::CudaEvent;
-pub use decoder::{
-    bf16_bits, bf16_to_f32, DecoderShape, GpuDecoder, OwnedStep, StepInput, Tensor, Weights,
-    MAX_GROUP,
-};
+pub use decoder::{GpuDecoder, Tensor, Weights};
 pub use kv_cache::{DeviceKvCache, DeviceLayer, KvArrangement};
 
 use crate::KernelError;

@@ -4,10 +4,10 @@
 //! ([`Blas`]) for the four products of each layer and the output layer. The attention-output and
 //! down products accumulate straight into the f32 residual (cuBLAS's `beta = 1`).
 //!
-//! A step ([`StepInput`], checked by `crate::step`) is the engine's flattened batch: any mix of prefill chunks and decode
-//! tokens; each row attends causally to keys `0..=ctx_idx[row]` of its sequence. Everything a
-//! step needs travels to the device in one copy; the kernels then run on the device's stream with
-//! no host sync until the logits are read.
+//! A step ([`StepInput`], checked by `crate::step`) is the engine's flattened batch: any mix of
+//! prefill chunks and decode tokens; each row attends causally to keys `0..=ctx_idx[row]` of its
+//! sequence. Everything a step needs travels to the device in one copy; the kernels then run on
+//! the device's stream with no host sync until the logits are read.
 //!
 //! Invariants: a step's rows, tables and slots are validated against the cache before anything is
 //! queued, so no kernel reads or writes outside its buffers; the scratch buffers hold

@@ -219,8 +219,14 @@ def pull_pd(a, logs, common, name):
 
 def transfer_bench(a, logs, common):
     """One prefill instance and the proxy; for each `--read-chunk-bytes` value in turn, a decode
-    instance with it: 8000-token prompts through the proxy, the decode instance's transfer and
-    checksum metrics per request (median), against a device copy of the same bytes."""
+    instance with it: 8000-token prompts through the proxy, the transfer's metrics (pull: the
+    decode instance's READ; push: the prefill instance's WRITE) and the decode instance's checksum
+    metrics per request (median), against a device copy of the same bytes."""
+    mode = a.bench_mode
+    if mode == "push" and a.read_chunk_bytes.strip("0,"):
+        check(False, "--bench-mode push: a push load is one WRITE (--read-chunk-bytes 0[,0...])")
+    # Which instance's metrics time the transfer: the side that posts it.
+    xfer_port = 8200 if mode == "pull" else 8100
     d = Deployment(a.bin, logs)
     prefill = list(common)
     if a.prefill_kv_cache_memory:
@@ -228,7 +234,7 @@ def transfer_bench(a, logs, common):
         # run of blocks per request), so the settings compare on the same producer layout.
         prefill[prefill.index("--kv-cache-memory") + 1] = a.prefill_kv_cache_memory
     d.start("bench-prefill", prefill + [
-        "--port", "8100", "--kv-transfer-config", transfer_config("pull", "kv_producer")])
+        "--port", "8100", "--kv-transfer-config", transfer_config(mode, "kv_producer")])
     d.start("bench-proxy", ["proxy", "--host", "127.0.0.1", "--port", "8000",
                             "--prefill", "http://127.0.0.1:8100",
                             "--decode", "http://127.0.0.1:8200"])
@@ -243,17 +249,18 @@ def transfer_bench(a, logs, common):
             # BYTES or BYTES:IN_FLIGHT (read_chunks_in_flight).
             chunk, _, in_flight = setting.partition(":")
             chunk = int(chunk)
-            extra = {"read_chunk_bytes": chunk}
+            extra = {"read_chunk_bytes": chunk} if mode == "pull" else {}
             if in_flight:
                 extra["read_chunks_in_flight"] = int(in_flight)
             name = f"bench-decode-{k}"
             d.start(name, common + ["--port", "8200", "--kv-transfer-config", transfer_config(
-                "pull", "kv_consumer", {"kv_connector_extra_config": extra})])
+                mode, "kv_consumer", {"kv_connector_extra_config": extra})])
             d.wait_healthy(8200)
             d.wait_healthy(8000)
             rows = []
             for i in range(a.bench_runs + 1):
                 before = get("http://127.0.0.1:8200/metrics")
+                xfer_before = get(f"http://127.0.0.1:{xfer_port}/metrics")
                 # Distinct printable bytes (the dummy tokenizer is byte-level): no prefix hit.
                 prompt = "".join(chr(33 + ((k * 100 + i) * 7919 + j * 104729) % 90)
                                  for j in range(a.bench_tokens))
@@ -262,7 +269,10 @@ def transfer_bench(a, logs, common):
                     "model": a.served, "prompt": prompt, "max_tokens": 1, "temperature": 0})
                 wall = time.time() - t0
                 after = get("http://127.0.0.1:8200/metrics")
+                xfer_after = get(f"http://127.0.0.1:{xfer_port}/metrics")
                 delta = {key: metric(after, key) - metric(before, key) for key in keys}
+                for key in keys[:3]:
+                    delta[key] = metric(xfer_after, key) - metric(xfer_before, key)
                 verified = (metric(after, "tandem:kv_checksum_loads_total",
                                    {"verdict": "verified"})
                             - metric(before, "tandem:kv_checksum_loads_total",
@@ -282,7 +292,7 @@ def transfer_bench(a, logs, common):
             print(f"transfer bench, read_chunk_bytes {setting}: {a.bench_tokens} tokens, "
                   f"{nbytes / 2**20:.1f} MiB of KV per request, "
                   f"{col('tandem:kv_transfer_descriptors_total'):.0f} descriptors")
-            print(f"  NIXL READ (post to last completion) {secs * 1e3:.3f} ms = "
+            print(f"  NIXL {'READ' if mode == 'pull' else 'WRITE'} (post to last completion) {secs * 1e3:.3f} ms = "
                   f"{nbytes / secs / 1e9:.1f} GB/s (median of {len(rows)})")
             if copy:
                 print(f"  device copy of the same bytes: {copy:.1f} GB/s read; transfer/copy = "
@@ -334,6 +344,8 @@ def main():
     ap.add_argument("--transfer-bench", action="store_true")
     ap.add_argument("--bench-tokens", type=int, default=8000)
     ap.add_argument("--bench-runs", type=int, default=5)
+    ap.add_argument("--bench-mode", choices=("pull", "push"), default="pull",
+                    help="the transfer bench's mode (push: the producer WRITEs each load)")
     ap.add_argument("--check-read-chunk-bytes", type=int, default=None,
                     help="read_chunk_bytes of the pull checks' clean decode instance (e.g. 65536 "
                          "to check chunked loads on a small model)")

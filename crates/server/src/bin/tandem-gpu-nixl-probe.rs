@@ -1,8 +1,8 @@
 //! What one NIXL READ between two processes on one GPU costs per region: the same bytes (an
 //! 8k-token prompt's KV of the 8B shape, 1 GiB) moved VRAM to VRAM through Tandem's own NIXL
 //! layer and device KV cache, as one region, as k separate regions in one READ, as k READs
-//! posted together, and as k READs one after another, against a device-to-device copy of the
-//! same bytes in the same process and run.
+//! posted together, and as k READs one after another, and the same as WRITEs (push mode's
+//! direction), against a device-to-device copy of the same bytes in the same process and run.
 //!
 //! The producer is this binary re-executed as a child (a real process boundary, as in 1P1D);
 //! the parent is the consumer. Both hold a block-major bf16 cache of `--blocks` blocks of 16
@@ -19,7 +19,7 @@ use tandem_kernels::cuda::{Device, DeviceKvCache, KvArrangement};
 use tandem_kv_cache::{
     BlockLayout, CacheDtype, KvCacheConfig, KvCacheGroup, KvCacheSpec, KvStorage, LayoutOrder,
 };
-use tandem_kv_connector::nixl::{NixlAgent, NixlAgentConfig, NixlHandshake};
+use tandem_kv_connector::nixl::{NixlAgent, NixlAgentConfig, NixlHandshake, TransferOp};
 
 const ROLE_ENV: &str = "TANDEM_NIXL_PROBE_ROLE";
 const LAYERS: usize = 32;
@@ -152,7 +152,7 @@ fn main() -> Res<()> {
         copy_s * 1e3,
         bytes as f64 / copy_s / 1e9
     );
-    println!("\n| consumer | how | regions | READs | ms | of which posting | GB/s | ÷ copy |");
+    println!("\n| consumer | how | regions | transfers | ms | of which posting | GB/s | ÷ copy |");
     println!("|---|---|---|---|---|---|---|---|");
 
     let wait = Duration::from_secs(30);
@@ -164,35 +164,46 @@ fn main() -> Res<()> {
         } else {
             "no progress thread"
         };
-        // (how, k): one READ of k regions; k READs posted together; k READs in turn.
-        for (how, k) in [
-            ("one READ", 1),
-            ("one READ", 2),
-            ("one READ", 4),
-            ("one READ", 8),
-            ("one READ", 18),
-            ("one READ", 64),
-            ("together", 2),
-            ("together", 4),
-            ("together", 8),
-            ("in turn", 2),
-            ("in turn", 8),
+        // (op, how, k): one transfer of k regions; k transfers posted together; k in turn.
+        // A WRITE moves this side's blocks into the producer's (push mode's direction).
+        for (op, how, k) in [
+            (TransferOp::Read, "one", 1),
+            (TransferOp::Read, "one", 2),
+            (TransferOp::Read, "one", 8),
+            (TransferOp::Read, "one", 18),
+            (TransferOp::Read, "one", 64),
+            (TransferOp::Read, "together", 2),
+            (TransferOp::Read, "together", 4),
+            (TransferOp::Read, "together", 8),
+            (TransferOp::Read, "together", 16),
+            (TransferOp::Read, "together", 32),
+            (TransferOp::Read, "in turn", 2),
+            (TransferOp::Read, "in turn", 8),
+            (TransferOp::Write, "one", 1),
+            (TransferOp::Write, "one", 8),
+            (TransferOp::Write, "together", 8),
+            (TransferOp::Write, "together", 16),
+            (TransferOp::Write, "in turn", 8),
         ] {
             let r = runs(k);
             let all = r.concat();
+            let post_one = |ids: &[usize]| match op {
+                TransferOp::Read => a.read_blocks(&peer, ids, ids, None),
+                TransferOp::Write => a.write_blocks(&peer, ids, ids, None),
+            };
             let (mut times, mut posts) = (Vec::new(), Vec::new());
             for i in 0..rounds + 1 {
                 let t = Instant::now();
-                // (descriptors, READs, seconds spent creating and posting)
-                let (regions, reads, post) = match how {
-                    "one READ" => {
-                        let s = a.read_blocks(&peer, &all, &all, None)?.wait(wait)?;
+                // (descriptors, transfers, seconds spent creating and posting)
+                let (regions, transfers, post) = match how {
+                    "one" => {
+                        let s = post_one(&all)?.wait(wait)?;
                         (s.descriptors, 1, s.post_duration.as_secs_f64())
                     }
                     "together" => {
                         let hs = r
                             .iter()
-                            .map(|ids| a.read_blocks(&peer, ids, ids, None))
+                            .map(|ids| post_one(ids))
                             .collect::<Result<Vec<_>, _>>()?;
                         let (mut d, mut p) = (0, 0.0);
                         for h in hs {
@@ -205,7 +216,7 @@ fn main() -> Res<()> {
                     _ => {
                         let (mut d, mut p) = (0, 0.0);
                         for ids in &r {
-                            let s = a.read_blocks(&peer, ids, ids, None)?.wait(wait)?;
+                            let s = post_one(ids)?.wait(wait)?;
                             d += s.descriptors;
                             p += s.post_duration.as_secs_f64();
                         }
@@ -219,7 +230,8 @@ fn main() -> Res<()> {
                 if i == rounds {
                     let s = median(&mut times);
                     println!(
-                        "| {consumer} | {how} | {regions} | {reads} | {:.3} | {:.3} | {:.0} | {:.2}x |",
+                        "| {consumer} | {} {how} | {regions} | {transfers} | {:.3} | {:.3} | {:.0} | {:.2}x |",
+                        op.name(),
                         s * 1e3,
                         median(&mut posts) * 1e3,
                         bytes as f64 / s / 1e9,

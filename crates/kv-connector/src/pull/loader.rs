@@ -227,6 +227,13 @@ struct InFlight {
     moved: Option<TransferStats>,
     /// When the job's first transfer was created: its duration and deadline start here.
     posted: Instant,
+    /// Where the time between `posted` and the last landing went (the `KV load done` debug
+    /// line): the first transfer's post began here (a READ's renew notification before it)...
+    post_start: Instant,
+    /// ...its first part completed this long after `posted`...
+    first_landing: Option<Duration>,
+    /// ...and this many parts completed.
+    parts: u32,
     last_renew: Instant,
     polls: u32,
 }
@@ -271,6 +278,8 @@ impl InFlight {
         total.descriptors += part.descriptors;
         total.post_duration += part.post_duration;
         total.duration = self.posted.elapsed();
+        self.first_landing.get_or_insert(total.duration);
+        self.parts += 1;
     }
 }
 
@@ -770,6 +779,7 @@ impl LoaderThread {
         }
         // The job's transfer time runs from here: a transfer may complete inside its post.
         let started = Instant::now();
+        let mut post_start = started;
         let posted = if let LoadKind::Write { notif, .. } = &job.kind {
             self.agent
                 .write_group_blocks(&name, &job.ids, Some(notif.clone()))
@@ -782,6 +792,7 @@ impl LoaderThread {
                 return;
             }
             let done = PullNotif::Done(&job.remote_request_id).encode();
+            post_start = Instant::now();
             self.post_read(&job, &name, done)
         };
         match posted {
@@ -792,6 +803,9 @@ impl LoaderThread {
                     transfers,
                     moved: None,
                     posted: started,
+                    post_start,
+                    first_landing: None,
+                    parts: 0,
                     last_renew: Instant::now(),
                     polls: 0,
                 });
@@ -934,6 +948,10 @@ impl LoaderThread {
                 job,
                 peer_name,
                 transfers,
+                posted,
+                post_start,
+                first_landing,
+                parts,
                 ..
             } = f;
             drop(transfers);
@@ -944,6 +962,10 @@ impl LoaderThread {
                         request = job.request_id,
                         bytes = stats.bytes,
                         seconds = stats.seconds(),
+                        parts,
+                        before_post_us = post_start.duration_since(posted).as_micros() as u64,
+                        posting_us = stats.post_duration.as_micros() as u64,
+                        first_landing_us = first_landing.unwrap_or_default().as_micros() as u64,
                         "KV load done"
                     );
                     self.report(job.request_id, LoadOutcome::Loaded(stats));

@@ -10,15 +10,16 @@ corrupts every load it receives (`kv_fault_injection`) behind its own proxy: eve
 as a mismatch and recomputed, and the answers are still equal. Exits non-zero on the first failed
 check. Standard library only (the GPU machine has no extra Python packages).
 
-`--transfer-bench` instead measures KV transfer (pull mode unless `--bench-mode push`) on the model of `--model-args`
-(configs/llama-8b-dummy.json: Llama 3.1 8B's shape with dummy weights, 128 KiB of bf16 KV per
-token; configs/llama-8b-kv-shape.json: the same KV shape with small matrices): prompts of `--bench-tokens` tokens through the proxy, the decode instance's transfer
-bytes and seconds per request, against a device-to-device copy of the same bytes in the same run
-(torch, when present), and the checksum's share of the consumer's load-to-first-token time: the
-checksum time after the load's last byte landed (`tandem:kv_checksum_load_wait_seconds`), once
-per `--read-chunk-bytes` value (default: 128 MiB chunks, then one READ). `--bench-mode push`
-times the prefill instance's WRITEs instead (one per load: `--read-chunk-bytes 0`);
-`--bench-no-checksum` runs without checksums, to see what they cost the transfer.
+`--transfer-bench` instead measures KV transfer (pull mode unless `--bench-mode push`) on the model
+of `--model-args` (configs/llama-8b-dummy.json: Llama 3.1 8B's shape with dummy weights, 128 KiB of
+bf16 KV per token; configs/llama-8b-kv-shape.json: the same KV shape with small matrices): prompts
+of `--bench-tokens` tokens through the proxy, the decode instance's transfer bytes and seconds per
+request, against a device-to-device copy of the same bytes in the same run (torch, when present),
+and the checksum's share of the consumer's load-to-first-token time: the checksum time after the
+load's last byte landed (`tandem:kv_checksum_load_wait_seconds`), once per `--read-chunk-bytes`
+value (default: 128 MiB chunks, then one READ). `--bench-mode push` times the prefill instance's
+WRITEs instead (one per load: `--read-chunk-bytes 0`); `--bench-no-checksum` runs without checksums,
+to see what they cost the transfer.
 """
 
 import argparse
@@ -244,9 +245,12 @@ def transfer_bench(a, logs, common):
     d.start("bench-proxy", ["proxy", "--host", "127.0.0.1", "--port", "8000", "--kv-mode", mode,
                             "--prefill", "http://127.0.0.1:8100",
                             "--decode", "http://127.0.0.1:8200"])
-    keys = ("tandem:kv_transfer_bytes_total", "tandem:kv_transfer_seconds_sum",
-            "tandem:kv_transfer_descriptors_total", "tandem:kv_checksum_compute_seconds_sum",
-            "tandem:kv_checksum_load_wait_seconds_sum", "tandem:request_prefill_time_seconds_sum")
+    # The transfer's, from the instance that posts it; the rest from the decode instance.
+    xfer_keys = ("tandem:kv_transfer_bytes_total", "tandem:kv_transfer_seconds_sum",
+                 "tandem:kv_transfer_descriptors_total")
+    decode_keys = ("tandem:kv_checksum_compute_seconds_sum",
+                   "tandem:kv_checksum_load_wait_seconds_sum",
+                   "tandem:request_prefill_time_seconds_sum")
     med = lambda xs: sorted(xs)[len(xs) // 2]
     copy = None
     try:
@@ -267,7 +271,8 @@ def transfer_bench(a, logs, common):
             rows = []
             for i in range(a.bench_runs + 1):
                 before = get("http://127.0.0.1:8200/metrics")
-                xfer_before = get(f"http://127.0.0.1:{xfer_port}/metrics")
+                xfer_before = before if xfer_port == 8200 else get(
+                    f"http://127.0.0.1:{xfer_port}/metrics")
                 # Distinct printable bytes (the dummy tokenizer is byte-level): no prefix hit.
                 prompt = "".join(chr(33 + ((k * 100 + i) * 7919 + j * 104729) % 90)
                                  for j in range(a.bench_tokens))
@@ -276,16 +281,18 @@ def transfer_bench(a, logs, common):
                     "model": a.served, "prompt": prompt, "max_tokens": 1, "temperature": 0})
                 wall = time.time() - t0
                 after = get("http://127.0.0.1:8200/metrics")
-                xfer_after = get(f"http://127.0.0.1:{xfer_port}/metrics")
-                delta = {key: metric(after, key) - metric(before, key) for key in keys}
-                for key in keys[:3]:
-                    delta[key] = metric(xfer_after, key) - metric(xfer_before, key)
+                xfer_after = after if xfer_port == 8200 else get(
+                    f"http://127.0.0.1:{xfer_port}/metrics")
+                delta = {key: metric(after, key) - metric(before, key) for key in decode_keys}
+                delta.update({key: metric(xfer_after, key) - metric(xfer_before, key)
+                              for key in xfer_keys})
                 verified = (metric(after, "tandem:kv_checksum_loads_total",
                                    {"verdict": "verified"})
                             - metric(before, "tandem:kv_checksum_loads_total",
                                      {"verdict": "verified"}))
                 if not a.bench_no_checksum:
-                    check(verified == 1, f"read_chunk_bytes {setting}, request {i}: its load verified")
+                    check(verified == 1,
+                          f"read_chunk_bytes {setting}, request {i}: its load verified")
                 if i > 0:  # the first warms up
                     rows.append((wall, delta))
             d.stop_one(name)
@@ -300,7 +307,8 @@ def transfer_bench(a, logs, common):
             print(f"transfer bench, read_chunk_bytes {setting}: {a.bench_tokens} tokens, "
                   f"{nbytes / 2**20:.1f} MiB of KV per request, "
                   f"{col('tandem:kv_transfer_descriptors_total'):.0f} descriptors")
-            print(f"  NIXL {'READ' if mode == 'pull' else 'WRITE'} (post to last completion) {secs * 1e3:.3f} ms = "
+            op = "READ" if mode == "pull" else "WRITE"
+            print(f"  NIXL {op} (post to last completion) {secs * 1e3:.3f} ms = "
                   f"{nbytes / secs / 1e9:.1f} GB/s (median of {len(rows)})")
             if copy:
                 print(f"  device copy of the same bytes: {copy:.1f} GB/s read; transfer/copy = "
